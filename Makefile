@@ -1,0 +1,26 @@
+# Two entry points for a newcomer: `make demo` and `make test`.
+# Both create .venv if it is missing. torch is pinned to the CPU wheel for set-up on CPU
+# machines; on a machine that already has a CUDA torch, use PYTHON=python3 to skip the venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,demo]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m dsv4attn.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV)

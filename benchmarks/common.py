@@ -1,0 +1,106 @@
+"""Shared benchmark helpers: ceilings, median timing, roofline table.
+
+Every benchmark script prints one table with the columns
+``case | us (median) | TFLOP/s | GB/s | % of floor`` (plus extras), where the floor is
+``max(bytes / copy_ceiling, flops / mma_ceiling)`` with the ceilings measured at the start of
+the run (device-to-device copy, dense bf16 matmul), as docs/benchmarks.md requires.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import torch
+
+#: Fallback ceilings (H200, measured here 2026-10-28) used when --no-ceilings is given.
+H200_COPY_BYTES_PER_S = 4.3e12
+H200_BF16_FLOPS = 790e12
+
+
+def median_us(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median time of ``fn()`` in microseconds (device events on CUDA, wall clock on CPU)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return ms * 1e3
+    import statistics
+    import time
+
+    fn()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float = H200_COPY_BYTES_PER_S
+    mma_flops: float = H200_BF16_FLOPS
+
+    @classmethod
+    def measure(cls) -> "Ceilings":
+        """Measure the copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+        if not torch.cuda.is_available():
+            return cls()
+        n = 1 << 30  # 1 GiB
+        a = torch.empty(n, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        t_copy = median_us(lambda: b.copy_(a)) * 1e-6
+        m = 8192
+        x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+        t_mm = median_us(lambda: x @ y) * 1e-6
+        del a, b, x, y
+        torch.cuda.empty_cache()
+        return cls(copy_bytes_per_s=2 * n / t_copy, mma_flops=2 * m**3 / t_mm)
+
+
+@dataclass
+class Row:
+    case: str
+    us: float
+    flops: float = 0.0
+    bytes: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def floor_us(row: Row, ceil: Ceilings) -> float:
+    return max(row.bytes / ceil.copy_bytes_per_s, row.flops / ceil.mma_flops) * 1e6
+
+
+def print_table(title: str, rows: list[Row], ceil: Ceilings) -> None:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n## {title}  [{gpu}; copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+          f"bf16 mma {ceil.mma_flops / 1e12:.0f} TFLOP/s]")
+    extra_keys: list[str] = []
+    for r in rows:
+        for k in r.extra:
+            if k not in extra_keys:
+                extra_keys.append(k)
+    head = ["case", "us (median)", "TFLOP/s", "GB/s", "floor us", "% of floor", *extra_keys]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        fl = floor_us(r, ceil)
+        cells = [
+            r.case,
+            f"{r.us:.2f}",
+            f"{r.flops / (r.us * 1e-6) / 1e12:.1f}" if r.flops else "-",
+            f"{r.bytes / (r.us * 1e-6) / 1e9:.0f}" if r.bytes else "-",
+            f"{fl:.2f}",
+            f"{100 * fl / r.us:.0f}%" if fl else "-",
+            *[str(r.extra.get(k, "")) for k in extra_keys],
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes; checks the script runs (CPU ok)")
+    p.add_argument("--no-ceilings", action="store_true", help="use the recorded H200 ceilings")
+    return p

@@ -1,0 +1,1 @@
+"""Paged KV caches: page formats, cache groups, allocation and writers."""
