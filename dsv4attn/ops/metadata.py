@@ -1,0 +1,347 @@
+"""Public per-step metadata ops: validate -> allocate -> dispatch (Triton kernel or reference).
+
+Two entry points keep the engine-compatible signatures (``get_compressed_slot_mapping``,
+``build_c128a_topk_metadata``); the others are this project's SWA, top-k conversion and range
+ops. All of them write only into the buffers they are given (the builders own persistent,
+address-stable buffers for CUDA-graph replay) and return slices of them.
+
+Block sizes: every ``block_size`` argument counts ENTRIES physically stored per block of the
+cache the slots index (SWA 64, C4A compressed 64 = 256 // 4, C128A compressed 2 = 256 // 128).
+This is vLLM's "storage block size", which it passes to the same functions.
+
+Out-of-table reads: an entry whose block column is ``>= block_table.shape[1]`` becomes -1 instead
+of an out-of-bounds read. Block ids themselves are not range-checked here (that would need a host
+sync); ``StepMetadataBuilder`` checks them against ``num_blocks`` on the host before building.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dsv4attn._checks import check_tensor, same_device
+from dsv4attn.device import resolve_impl
+from dsv4attn.kernels import metadata as K
+from dsv4attn.reference import metadata as R
+from dsv4attn.reference.metadata import C128A_TOPK_ALIGNMENT
+
+_INT = (torch.int32, torch.int64)
+
+
+def _check_int(name: str, v: object, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _check_block_table(block_table: object, num_reqs: int | None = None) -> torch.Tensor:
+    bt = check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    if num_reqs is not None and bt.shape[0] < num_reqs:
+        raise ValueError(f"block_table must have at least {num_reqs} rows, got shape {tuple(bt.shape)}")
+    return bt
+
+
+def _unit_stride(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+
+
+def _check_out(name: str, t: object, rows: int, cols: int | None, dtype: torch.dtype) -> torch.Tensor:
+    t = check_tensor(name, t, dtype=dtype, ndim=1 if cols is None else 2)
+    if t.shape[0] < rows or (cols is not None and t.shape[1] < cols):
+        want = (rows,) if cols is None else (rows, cols)
+        raise ValueError(f"{name} is too small: needs at least {want}, got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit last-dim stride, got strides {t.stride()}")
+    return t
+
+
+def get_compressed_slot_mapping(
+    num_tokens: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    compress_ratio: int,
+    out: torch.Tensor | None = None,
+    cp_world_size: int = 1,
+    cp_rank: int = 0,
+    cp_kv_cache_interleave_size: int = 1,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Compressed-cache slot per raw token: int64 ``[num_tokens]`` (a prefix of ``out``).
+
+    query_start_loc int32 ``[R+1]``, seq_lens int32 ``[R]`` (total length incl. this step),
+    block_table int32 ``[>=R, max_blocks]`` of the compressed cache, ``block_size`` = compressed
+    ENTRIES per block. Token t of request q sits at ``p = seq_lens[q] - query_len[q] + (t -
+    query_start_loc[q])``; only a token with ``(p + 1) % compress_ratio == 0`` completes entry
+    ``k = (p + 1) // compress_ratio - 1`` and gets its slot; every other token, tokens at or past
+    ``query_start_loc[R]``, and the whole tail of ``out`` beyond ``num_tokens`` get -1.
+
+    Context parallelism (decided here, consistent with vLLM when ``block_size % interleave == 0``):
+    entries are dealt to ranks in chunks of ``cp_kv_cache_interleave_size``: entry k lives on rank
+    ``(k // I) % cp_world_size`` at rank-local entry index ``L = (k // (I * world)) * I + k % I``,
+    stored at ``block_table[q, L // block_size] * block_size + L % block_size`` (the table is the
+    rank's own); tokens whose entry lives on another rank get -1.
+    """
+    _check_int("num_tokens", num_tokens)
+    _check_int("block_size", block_size, 1)
+    _check_int("compress_ratio", compress_ratio, 1)
+    _check_int("cp_world_size", cp_world_size, 1)
+    _check_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size, 1)
+    if not 0 <= _check_int("cp_rank", cp_rank) < cp_world_size:
+        raise ValueError(f"cp_rank must be in [0, cp_world_size={cp_world_size}), got {cp_rank}")
+    seq_lens = check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1)
+    num_reqs = seq_lens.shape[0]
+    qsl = check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, shape=(num_reqs + 1,))
+    bt = _check_block_table(block_table, num_reqs)
+    _unit_stride(query_start_loc=qsl, seq_lens=seq_lens)
+    dev = same_device(query_start_loc=qsl, seq_lens=seq_lens, block_table=bt, out=out)
+    if out is None:
+        out = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    out = _check_out("out", out, num_tokens, None, torch.int64)
+    if resolve_impl(impl, dev) == "reference" or num_reqs == 0 or out.shape[0] == 0:
+        return R.get_compressed_slot_mapping_ref(
+            num_tokens, qsl, seq_lens, bt, block_size, compress_ratio, out,
+            cp_world_size, cp_rank, cp_kv_cache_interleave_size,
+        )
+    block = 1024
+    K._compressed_slot_mapping_kernel[(triton.cdiv(out.shape[0], block),)](
+        out, qsl, seq_lens, bt, bt.stride(0), bt.stride(1), num_tokens, out.shape[0], num_reqs,
+        bt.shape[1], block_size, compress_ratio, cp_world_size, cp_rank, cp_kv_cache_interleave_size,
+        SEARCH_ITERS=max(1, num_reqs.bit_length()), BLOCK=block,
+    )
+    return out[:num_tokens]
+
+
+def build_c128a_topk_metadata(
+    positions: torch.Tensor,
+    compress_ratio: int,
+    num_decode_tokens: int,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    global_decode_buffer: torch.Tensor,
+    decode_lens_buffer: torch.Tensor,
+    prefill_buffer: torch.Tensor,
+    max_compressed_tokens: int,
+    full_width: bool = True,
+    validate_lengths: bool = True,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """C128A dense top-k rows: ``(global_decode [nd, W], decode_lens [nd], prefill_local [T-nd, W])``.
+
+    positions int64/int32 ``[T]`` (decodes first: tokens ``< num_decode_tokens`` are decodes),
+    token_to_req_indices int32 ``[T]``, block_table int32 ``[R, max_blocks]`` of the compressed
+    cache, ``block_size`` = compressed ENTRIES per block (2 for C128A with 256-token blocks),
+    slot_mapping int64/int32 ``[T]`` (the raw per-token slot; -1 = padded token); buffers int32
+    ``[rows, W]``, ``[rows]``, ``[rows, W]``. Returned tensors are slices of the buffers.
+
+    With ``n = (p + 1) // compress_ratio`` (clamped to ``max_compressed_tokens``): decode row t
+    holds the global slots of entries ``0..n-1`` then -1, ``decode_lens[t] = n`` (0 when
+    ``slot_mapping[t] < 0``); prefill row holds local indices ``0..n-1`` then -1.
+    ``full_width=True`` (engine form) writes columns ``[0, max_compressed_tokens)`` of each row;
+    ``full_width=False`` (real-context form) writes only ``[0, round_up(n, 128))`` (capped at
+    ``max_compressed_tokens``) and leaves the rest of the row untouched (never read, since every
+    consumer bounds reads by the length). No kernel writes past ``max_compressed_tokens``, which
+    must be <= each buffer's row width W. ``validate_lengths`` checks ``n <= max_compressed_tokens``
+    for every token (one host sync; the builders check on the host instead and pass False).
+    """
+    _check_int("compress_ratio", compress_ratio, 1)
+    _check_int("block_size", block_size, 1)
+    _check_int("max_compressed_tokens", max_compressed_tokens)
+    pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
+    num_tokens = pos.shape[0]
+    nd = _check_int("num_decode_tokens", num_decode_tokens)
+    if nd > num_tokens:
+        raise ValueError(f"num_decode_tokens={nd} exceeds the number of tokens {num_tokens}")
+    t2r = check_tensor("token_to_req_indices", token_to_req_indices, dtype=torch.int32, ndim=1)
+    if t2r.shape[0] < num_tokens:
+        raise ValueError(f"token_to_req_indices needs >= {num_tokens} entries, got {tuple(t2r.shape)}")
+    sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, ndim=1)
+    if sm.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping needs >= {num_tokens} entries, got {tuple(sm.shape)}")
+    bt = _check_block_table(block_table)
+    _unit_stride(positions=pos, token_to_req_indices=t2r, slot_mapping=sm)
+    gdec = _check_out("global_decode_buffer", global_decode_buffer, nd, max_compressed_tokens, torch.int32)
+    dlens = _check_out("decode_lens_buffer", decode_lens_buffer, nd, None, torch.int32)
+    pref = _check_out("prefill_buffer", prefill_buffer, num_tokens - nd, max_compressed_tokens, torch.int32)
+    dev = same_device(positions=pos, token_to_req_indices=t2r, block_table=bt, slot_mapping=sm,
+                      global_decode_buffer=gdec, decode_lens_buffer=dlens, prefill_buffer=pref)
+    if validate_lengths and num_tokens > 0:
+        n_max = int((pos.max().item() + 1) // compress_ratio)
+        if n_max > max_compressed_tokens:
+            raise ValueError(
+                f"positions need up to {n_max} compressed entries per token but "
+                f"max_compressed_tokens={max_compressed_tokens}"
+            )
+    if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
+        return R.build_c128a_topk_metadata_ref(
+            pos, compress_ratio, nd, t2r, bt, block_size, sm, gdec, dlens, pref,
+            max_compressed_tokens, full_width,
+        )
+    K._c128a_topk_kernel[(num_tokens,)](
+        pos, t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, sm,
+        gdec, gdec.stride(0), dlens, pref, pref.stride(0), nd, compress_ratio, max_compressed_tokens,
+        FULL_WIDTH=full_width, ALIGN=C128A_TOPK_ALIGNMENT, BLOCK=1024,
+    )
+    return gdec[:nd], dlens[:nd], pref[: num_tokens - nd]
+
+
+def compute_swa_indices_and_lens(
+    positions: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    window_size: int,
+    indices_out: torch.Tensor | None = None,
+    lens_out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window indices: ``(indices int32 [T, >=W], lens int32 [T])``, slices of the outputs.
+
+    For token t at position p (request ``token_to_req_indices[t]``): ``start = max(0, p-W+1)``,
+    ``lens[t] = p + 1 - start`` (= min(p+1, W)), or 0 when ``slot_mapping[t] < 0`` (padded);
+    columns ``j < lens[t]`` hold the global SWA slot of position ``start + j`` through
+    ``block_table`` (``block_size`` = 64 entries for the SWA cache), columns ``lens[t]..W-1`` are
+    -1. Exactly columns ``[0, W)`` of each of the first T rows are written.
+    """
+    _check_int("block_size", block_size, 1)
+    _check_int("window_size", window_size, 1)
+    pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
+    num_tokens = pos.shape[0]
+    t2r = check_tensor("token_to_req_indices", token_to_req_indices, dtype=torch.int32, shape=(num_tokens,))
+    sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, shape=(num_tokens,))
+    bt = _check_block_table(block_table)
+    _unit_stride(positions=pos, token_to_req_indices=t2r, slot_mapping=sm)
+    dev = same_device(positions=pos, token_to_req_indices=t2r, block_table=bt, slot_mapping=sm,
+                      indices_out=indices_out, lens_out=lens_out)
+    if indices_out is None:
+        indices_out = torch.empty(num_tokens, window_size, dtype=torch.int32, device=dev)
+    if lens_out is None:
+        lens_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    idx = _check_out("indices_out", indices_out, num_tokens, window_size, torch.int32)
+    lens = _check_out("lens_out", lens_out, num_tokens, None, torch.int32)
+    if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
+        return R.compute_swa_indices_and_lens_ref(pos, t2r, bt, block_size, sm, window_size, idx, lens)
+    K._swa_indices_kernel[(num_tokens,)](
+        pos, t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, sm,
+        idx, idx.stride(0), lens, window_size, BLOCK_W=triton.next_power_of_2(window_size),
+    )
+    return idx[:num_tokens], lens[:num_tokens]
+
+
+def compute_global_topk_indices_and_lens(
+    topk_local: torch.Tensor,
+    token_to_req: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    is_valid_token: torch.Tensor,
+    out: torch.Tensor | None = None,
+    lens_out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request-local top-k -> global compressed slots: ``(global int32 [T, K], lens int32 [T])``.
+
+    topk_local int32 ``[T, K]`` (entry indices of the token's request, -1 = none), token_to_req
+    int32 ``[T]``, block_table int32 ``[R, max_blocks]``, ``block_size`` = compressed entries per
+    block (64 for C4A), is_valid_token bool ``[T]``. ``global[t, j]`` = slot of ``topk_local[t, j]``
+    when it is >= 0, else -1; ``lens[t]`` = number of entries >= 0 in the row (holes may sit
+    anywhere in the row), 0 for invalid tokens. Columns ``[0, K)`` of the first T rows are written.
+    """
+    _check_int("block_size", block_size, 1)
+    loc = check_tensor("topk_local", topk_local, dtype=torch.int32, ndim=2)
+    num_tokens, k = loc.shape
+    if loc.stride(1) != 1:
+        raise ValueError(f"topk_local must have a unit last-dim stride, got strides {loc.stride()}")
+    t2r = check_tensor("token_to_req", token_to_req, dtype=torch.int32, shape=(num_tokens,))
+    ok = check_tensor("is_valid_token", is_valid_token, dtype=torch.bool, shape=(num_tokens,))
+    bt = _check_block_table(block_table)
+    _unit_stride(token_to_req=t2r, is_valid_token=ok)
+    dev = same_device(topk_local=loc, token_to_req=t2r, block_table=bt, is_valid_token=ok,
+                      out=out, lens_out=lens_out)
+    if out is None:
+        out = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
+    if lens_out is None:
+        lens_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    out = _check_out("out", out, num_tokens, k, torch.int32)
+    lens = _check_out("lens_out", lens_out, num_tokens, None, torch.int32)
+    if resolve_impl(impl, dev) == "reference" or num_tokens == 0 or k == 0:
+        return R.compute_global_topk_indices_and_lens_ref(loc, t2r, bt, block_size, ok, out, lens)
+    K._global_topk_kernel[(num_tokens,)](
+        loc, loc.stride(0), t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, ok,
+        out, out.stride(0), lens, k, BLOCK_K=min(1024, triton.next_power_of_2(k)),
+    )
+    return out[:num_tokens], lens[:num_tokens]
+
+
+def _range_inputs(positions, slot_mapping):
+    pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
+    sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, shape=(pos.shape[0],))
+    _unit_stride(positions=pos, slot_mapping=sm)
+    return pos, sm
+
+
+def compute_swa_ranges(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    window_size: int,
+    starts_out: torch.Tensor | None = None,
+    lengths_out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SWA range form: ``(starts int32 [T], lengths int32 [T])``; no index rows.
+
+    ``starts = max(0, p - W + 1)``, ``lengths = p + 1 - starts`` (0 when ``slot_mapping < 0``).
+    Token t sees SWA entries ``starts..starts+lengths-1`` of its request (see the interface
+    contract in ``dsv4attn.metadata``).
+    """
+    _check_int("window_size", window_size, 1)
+    pos, sm = _range_inputs(positions, slot_mapping)
+    num_tokens = pos.shape[0]
+    dev = same_device(positions=pos, slot_mapping=sm, starts_out=starts_out, lengths_out=lengths_out)
+    if starts_out is None:
+        starts_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    if lengths_out is None:
+        lengths_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    st = _check_out("starts_out", starts_out, num_tokens, None, torch.int32)
+    ln = _check_out("lengths_out", lengths_out, num_tokens, None, torch.int32)
+    if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
+        return R.compute_swa_ranges_ref(pos, sm, window_size, st, ln)
+    block = 1024
+    K._ranges_kernel[(triton.cdiv(num_tokens, block),)](
+        pos, sm, st, ln, num_tokens, window_size, 1, IS_WINDOW=True, BLOCK=block
+    )
+    return st[:num_tokens], ln[:num_tokens]
+
+
+def compute_c128a_range_lengths(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    compress_ratio: int,
+    lengths_out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """C128A range form: ``lengths int32 [T] = (p + 1) // compress_ratio`` (0 when
+    ``slot_mapping < 0``). Starts are all 0, so the builder hands out a persistent zero buffer and
+    writes no starts per step.
+    """
+    _check_int("compress_ratio", compress_ratio, 1)
+    pos, sm = _range_inputs(positions, slot_mapping)
+    num_tokens = pos.shape[0]
+    dev = same_device(positions=pos, slot_mapping=sm, lengths_out=lengths_out)
+    if lengths_out is None:
+        lengths_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    ln = _check_out("lengths_out", lengths_out, num_tokens, None, torch.int32)
+    if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
+        return R.compute_c128a_range_lengths_ref(pos, sm, compress_ratio, ln)
+    block = 1024
+    K._ranges_kernel[(triton.cdiv(num_tokens, block),)](
+        pos, sm, ln, ln, num_tokens, 1, compress_ratio, IS_WINDOW=False, BLOCK=block
+    )
+    return ln[:num_tokens]

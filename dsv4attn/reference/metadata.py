@@ -1,0 +1,192 @@
+"""Plain-PyTorch references of the per-step metadata ops: the executable spec.
+
+Each ``foo_ref`` has the signature of the public op ``dsv4attn.ops.metadata.foo`` (without
+``impl``), receives already-validated and already-allocated outputs, writes them, and returns
+the same slices the op returns. Vectorised torch code, no host sync beyond what torch needs.
+
+Conventions shared by every op (see ``dsv4attn/ops/metadata.py`` for the full docstrings):
+- ``block_size`` counts ENTRIES physically stored per block (SWA 64, C4A compressed 64,
+  C128A compressed 2); entry ``e`` of a request lives at global slot
+  ``block_table[req, e // block_size] * block_size + e % block_size``.
+- An entry whose block column lies beyond ``block_table.shape[1]`` becomes -1 (a hole) instead
+  of an out-of-bounds read; the builders reject such batches up front.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: FlashMLA needs compressed top-k widths that are a multiple of its B_TOPK (64 or 128):
+#: C128A rows are padded with -1 to a multiple of this (vLLM ``_C128A_TOPK_ALIGNMENT``).
+C128A_TOPK_ALIGNMENT = 128
+
+
+def _lookup_slots(
+    block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int, valid: torch.Tensor
+) -> torch.Tensor:
+    """int64 global slots of ``entry`` (same shape as ``req``/``entry``); -1 where not ``valid``
+    or where the block column is beyond the table."""
+    max_blocks = block_table.shape[1]
+    col = torch.div(entry, block_size, rounding_mode="floor")
+    valid = valid & (col >= 0) & (col < max_blocks)
+    if block_table.shape[0] == 0 or max_blocks == 0:
+        return torch.full_like(entry, -1, dtype=torch.int64)
+    col = torch.where(valid, col, torch.zeros_like(col))
+    req = torch.where(valid, req.long(), torch.zeros_like(req, dtype=torch.int64))
+    blk = block_table[req, col].long()
+    slot = blk * block_size + torch.remainder(entry, block_size)
+    return torch.where(valid, slot, torch.full_like(slot, -1))
+
+
+def get_compressed_slot_mapping_ref(
+    num_tokens: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    compress_ratio: int,
+    out: torch.Tensor,
+    cp_world_size: int = 1,
+    cp_rank: int = 0,
+    cp_kv_cache_interleave_size: int = 1,
+) -> torch.Tensor:
+    """Reference of ``get_compressed_slot_mapping``; ``out`` is required here (the op allocates)."""
+    out.fill_(-1)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out[:num_tokens]
+    dev = out.device
+    t = torch.arange(num_tokens, device=dev, dtype=torch.int64)
+    qsl = query_start_loc.long()
+    total = qsl[num_reqs]
+    # req = the last request whose start is <= t (zero-length requests are skipped over).
+    req = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp(max=num_reqs - 1)
+    start = qsl[req]
+    qlen = qsl[req + 1] - start
+    p = seq_lens.long()[req] - qlen + (t - start)
+    valid = (t < total) & (p >= 0) & (torch.remainder(p + 1, compress_ratio) == 0)
+    k = (p + 1) // compress_ratio - 1
+    il, ws = cp_kv_cache_interleave_size, cp_world_size
+    chunk = torch.div(k, il, rounding_mode="floor")
+    valid &= torch.remainder(chunk, ws) == cp_rank
+    local = torch.div(chunk, ws, rounding_mode="floor") * il + torch.remainder(k, il)
+    out[:num_tokens] = _lookup_slots(block_table, req, local, block_size, valid)
+    return out[:num_tokens]
+
+
+def build_c128a_topk_metadata_ref(
+    positions: torch.Tensor,
+    compress_ratio: int,
+    num_decode_tokens: int,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    global_decode_buffer: torch.Tensor,
+    decode_lens_buffer: torch.Tensor,
+    prefill_buffer: torch.Tensor,
+    max_compressed_tokens: int,
+    full_width: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``build_c128a_topk_metadata`` (writes rows token by token group, vectorised)."""
+    num_tokens = positions.shape[0]
+    nd = num_decode_tokens
+    n = ((positions.long() + 1) // compress_ratio).clamp(0, max_compressed_tokens)  # [T]
+    if full_width:
+        ends = torch.full_like(n, max_compressed_tokens)
+    else:
+        align = C128A_TOPK_ALIGNMENT
+        ends = ((n + align - 1) // align * align).clamp(max=max_compressed_tokens)
+    cols = torch.arange(max_compressed_tokens, device=positions.device, dtype=torch.int64)
+    if nd > 0:
+        nn, ee = n[:nd, None], ends[:nd, None]
+        req = token_to_req_indices[:nd, None].long().expand(nd, max_compressed_tokens)
+        entry = cols[None, :].expand(nd, max_compressed_tokens)
+        slots = _lookup_slots(block_table, req, entry, block_size, entry < nn).to(torch.int32)
+        rows = global_decode_buffer[:nd, :max_compressed_tokens]
+        keep = entry >= ee  # columns this form does not write
+        rows.copy_(torch.where(keep, rows, slots))
+        lens = torch.where(slot_mapping[:nd] >= 0, n[:nd], torch.zeros_like(n[:nd]))
+        decode_lens_buffer[:nd] = lens.to(torch.int32)
+    npf = num_tokens - nd
+    if npf > 0:
+        nn, ee = n[nd:, None], ends[nd:, None]
+        entry = cols[None, :].expand(npf, max_compressed_tokens)
+        local = torch.where(entry < nn, entry, torch.full_like(entry, -1)).to(torch.int32)
+        rows = prefill_buffer[:npf, :max_compressed_tokens]
+        rows.copy_(torch.where(entry >= ee, rows, local))
+    return global_decode_buffer[:nd], decode_lens_buffer[:nd], prefill_buffer[:npf]
+
+
+def compute_swa_indices_and_lens_ref(
+    positions: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    window_size: int,
+    indices_out: torch.Tensor,
+    lens_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``compute_swa_indices_and_lens``."""
+    num_tokens = positions.shape[0]
+    p = positions.long()[:, None]
+    start = (p - window_size + 1).clamp(min=0)
+    length = torch.where(slot_mapping[:, None] >= 0, p + 1 - start, torch.zeros_like(p)).clamp(min=0)
+    j = torch.arange(window_size, device=positions.device, dtype=torch.int64)[None, :]
+    req = token_to_req_indices.long()[:, None].expand(num_tokens, window_size)
+    entry = (start + j).expand(num_tokens, window_size)
+    slots = _lookup_slots(block_table, req, entry, block_size, j < length)
+    indices_out[:num_tokens, :window_size] = slots.to(torch.int32)
+    lens_out[:num_tokens] = length[:, 0].to(torch.int32)
+    return indices_out[:num_tokens], lens_out[:num_tokens]
+
+
+def compute_global_topk_indices_and_lens_ref(
+    topk_local: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    is_valid_token: torch.Tensor,
+    out: torch.Tensor,
+    lens_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``compute_global_topk_indices_and_lens``."""
+    num_tokens, k = topk_local.shape
+    local = topk_local.long()
+    req = token_to_req_indices.long()[:, None].expand(num_tokens, k)
+    out[:num_tokens, :k] = _lookup_slots(block_table, req, local, block_size, local >= 0).to(torch.int32)
+    count = (local >= 0).sum(dim=1)
+    lens_out[:num_tokens] = torch.where(is_valid_token, count, torch.zeros_like(count)).to(torch.int32)
+    return out[:num_tokens], lens_out[:num_tokens]
+
+
+def compute_swa_ranges_ref(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    window_size: int,
+    starts_out: torch.Tensor,
+    lengths_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``compute_swa_ranges``."""
+    num_tokens = positions.shape[0]
+    p = positions.long()
+    start = (p - window_size + 1).clamp(min=0)
+    length = torch.where(slot_mapping >= 0, p + 1 - start, torch.zeros_like(p)).clamp(min=0)
+    starts_out[:num_tokens] = start.to(torch.int32)
+    lengths_out[:num_tokens] = length.to(torch.int32)
+    return starts_out[:num_tokens], lengths_out[:num_tokens]
+
+
+def compute_c128a_range_lengths_ref(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    compress_ratio: int,
+    lengths_out: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of ``compute_c128a_range_lengths``."""
+    num_tokens = positions.shape[0]
+    n = ((positions.long() + 1) // compress_ratio).clamp(min=0)
+    n = torch.where(slot_mapping >= 0, n, torch.zeros_like(n))
+    lengths_out[:num_tokens] = n.to(torch.int32)
+    return lengths_out[:num_tokens]
