@@ -1,0 +1,271 @@
+"""Cache specs: which paged caches each DeepSeek-V4 layer kind owns, and their page geometry.
+
+A layer with compress ratio ``r`` owns (docs/cache-format.md, dsv4-system.md section 3):
+
+=========  ===========================================================================
+SWA-only   ``swa_kv``
+C4A (r=4)  ``swa_kv``, ``compressed_kv``, ``indexer_k``, ``compressor_state``,
+           ``indexer_compressor_state``
+C128A      ``swa_kv``, ``compressed_kv``, ``compressor_state``
+=========  ===========================================================================
+
+Every cache belongs to one allocation *group* (one block table per request per group):
+
+- ``full_mla``  (full, 256 raw tokens per block-table column): compressed KV of C4A and C128A
+  and the C4A indexer keys; stored entries per block = 256 // r (64 for r=4, 2 for r=128).
+- ``swa``       (sliding, window 128 raw positions, 64 per block): every layer's SWA KV.
+- ``c4_state``  (sliding, window 2r = 8, 4 per block): C4A main + indexer compressor states.
+- ``c128_state`` (sliding, window r = 128, 8 per block): C128A main compressor state.
+
+Sizes are functions of :class:`CacheConfig`, so small test models get consistent specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dsv4attn.kv_cache.layout import FP8DSMLALayout, round_up
+
+KVCacheDtype = Literal["fp8_ds_mla", "auto"]
+#: Compress ratios DeepSeek-V4 accepts per layer (0 in a HF config means 1 = SWA-only).
+SUPPORTED_RATIOS = (1, 4, 128)
+#: Bytes of one fp32 indexer-key scale.
+INDEXER_SCALE_BYTES = 4
+#: Bytes of a bf16 / fp32 element.
+BF16_BYTES, FP32_BYTES = 2, 4
+
+GROUP_FULL_MLA = "full_mla"
+GROUP_SWA = "swa"
+GROUP_C4_STATE = "c4_state"
+GROUP_C128_STATE = "c128_state"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The model/cache fields that fix every cache's geometry (production defaults = V4).
+
+    ``compress_ratios``: one entry per layer, 0 or 1 = SWA-only, 4 = C4A, 128 = C128A.
+    ``block_size``: raw tokens per block-table column of the full-MLA group (256 in vLLM).
+    ``swa_block_size`` / ``c4_state_block_size`` / ``c128_state_block_size``: raw positions
+    per block of the sliding groups (64 / 4 / 8, chosen in vLLM so pages are ~37 KB).
+    ``kv_cache_dtype``: ``"fp8_ds_mla"`` (uint8 pages) or ``"auto"`` (bf16 rows).
+    """
+
+    compress_ratios: tuple[int, ...] = ()
+    head_dim: int = 512
+    rope_dim: int = 64
+    index_head_dim: int = 128
+    sliding_window: int = 128
+    block_size: int = 256
+    swa_block_size: int = 64
+    c4_state_block_size: int = 4
+    c128_state_block_size: int = 8
+    kv_cache_dtype: KVCacheDtype = "fp8_ds_mla"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        bad = [r for r in self.compress_ratios if r not in (0, *SUPPORTED_RATIOS)]
+        if bad:
+            raise ValueError(f"compress_ratios entries must be 0, 1, 4 or 128, got {bad}")
+        if self.kv_cache_dtype not in ("fp8_ds_mla", "auto"):
+            raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {self.kv_cache_dtype!r}")
+        FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)  # validates the dims
+        for name in ("index_head_dim", "sliding_window", "block_size", "swa_block_size",
+                     "c4_state_block_size", "c128_state_block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for r in (4, 128):
+            if r in self.compress_ratios and self.block_size % r:
+                raise ValueError(f"block_size {self.block_size} must be a multiple of compress ratio {r}")
+
+    @classmethod
+    def from_hf(cls, hf_config: object, kv_cache_dtype: KVCacheDtype = "fp8_ds_mla") -> "CacheConfig":
+        """Build from a HF ``DeepseekV4Config`` (or any object/dict with the same field names).
+
+        Reads ``compress_ratios`` (or ``layer_types``), ``head_dim``, ``qk_rope_head_dim``,
+        ``index_head_dim``, ``sliding_window``.
+        """
+        get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+        ratios = get("compress_ratios")
+        if ratios is None:
+            names = {"sliding_attention": 1, "compressed_sparse_attention": 4,
+                     "heavily_compressed_attention": 128}
+            ratios = [names[t] for t in get("layer_types")]
+        return cls(
+            compress_ratios=tuple(ratios),
+            head_dim=get("head_dim", 512),
+            rope_dim=get("qk_rope_head_dim", 64),
+            index_head_dim=get("index_head_dim", 128),
+            sliding_window=get("sliding_window", 128),
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.compress_ratios)
+
+    @property
+    def layout(self) -> FP8DSMLALayout:
+        return FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)
+
+    @property
+    def page_align(self) -> int:
+        """Alignment of fp8 pages: one token-data row (576 B in production)."""
+        return self.layout.page_align
+
+    def ratio(self, layer: int) -> int:
+        """Effective compress ratio of ``layer`` (0 in the HF config means 1)."""
+        return max(1, self.compress_ratios[layer])
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One paged cache of one layer.
+
+    ``tokens_per_block``: raw positions covered by one block-table column of its group.
+    ``block_size``: entries physically stored per block (= tokens_per_block // compress_ratio
+    for compressed streams). ``entry_bytes``: information bytes per entry. ``page_bytes``: block
+    stride in bytes (entries + scales + padding). ``row_shape``/``dtype`` describe the tensor
+    view handed to kernels: ``(num_blocks, block_size, *row_shape)``.
+    """
+
+    name: str
+    layer: int
+    group: str
+    format: str
+    compress_ratio: int
+    tokens_per_block: int
+    block_size: int
+    entry_bytes: int
+    page_bytes: int
+    row_shape: tuple[int, ...]
+    dtype: str
+
+    def bytes_for_blocks(self, num_blocks: int) -> int:
+        return num_blocks * self.page_bytes
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """An allocation group: caches that share one block table per request.
+
+    ``kind``: ``"full"`` (grows with the sequence) or ``"sliding"`` (keeps only the blocks of
+    the last ``window`` raw positions a future token can still read). ``tokens_per_block``: raw
+    positions per block-table column.
+    """
+
+    name: str
+    kind: Literal["full", "sliding"]
+    tokens_per_block: int
+    window: int | None = None
+    caches: tuple[CacheSpec, ...] = field(default=(), compare=False)
+
+    @property
+    def page_bytes_per_block(self) -> int:
+        """Bytes one block id costs across every cache (layer) of the group."""
+        return sum(c.page_bytes for c in self.caches)
+
+
+def compressor_overlap(ratio: int) -> bool:
+    """Ratio-4 compressors pool overlapping windows of 2r positions; ratio 128 does not."""
+    return ratio == 4
+
+
+def compressor_coff(ratio: int) -> int:
+    """Width multiplier of compressor state rows: 2 with overlap (r=4), 1 without (r=128)."""
+    return 2 if compressor_overlap(ratio) else 1
+
+
+def state_window(ratio: int) -> int:
+    """Raw positions a compressor state cache must keep: 2r with overlap, r without."""
+    return compressor_coff(ratio) * ratio
+
+
+def state_row_width(ratio: int, dim: int) -> int:
+    """fp32 elements of one compressor state row: ``[kv (coff*D) | score (coff*D)]``."""
+    return 2 * compressor_coff(ratio) * dim
+
+
+def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: KVCacheDtype) -> int:
+    """fp8: ``index_head_dim`` fp8 bytes + one fp32 scale (132 B); auto: bf16 row (256 B)."""
+    if kv_cache_dtype == "fp8_ds_mla":
+        return index_head_dim + INDEXER_SCALE_BYTES
+    return index_head_dim * BF16_BYTES
+
+
+def _kv_spec(cfg: CacheConfig, name: str, layer: int, group: str, ratio: int, tpb: int) -> CacheSpec:
+    bs = tpb // ratio
+    if cfg.kv_cache_dtype == "fp8_ds_mla":
+        lay = cfg.layout
+        return CacheSpec(name, layer, group, "fp8_ds_mla", ratio, tpb, bs, lay.entry_bytes,
+                         lay.page_bytes(bs), (lay.entry_bytes,), "uint8")
+    row = cfg.head_dim * BF16_BYTES
+    return CacheSpec(name, layer, group, "bf16", ratio, tpb, bs, row, bs * row, (cfg.head_dim,), "bfloat16")
+
+
+def _indexer_spec(cfg: CacheConfig, layer: int) -> CacheSpec:
+    tpb, ratio = cfg.block_size, 4
+    bs = tpb // ratio
+    eb = indexer_entry_bytes(cfg.index_head_dim, cfg.kv_cache_dtype)
+    if cfg.kv_cache_dtype == "fp8_ds_mla":
+        return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "indexer_fp8", ratio, tpb, bs, eb,
+                         round_up(bs * eb, cfg.page_align), (eb,), "uint8")
+    return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "bf16", ratio, tpb, bs, eb, bs * eb,
+                     (cfg.index_head_dim,), "bfloat16")
+
+
+def _state_spec(cfg: CacheConfig, name: str, layer: int, ratio: int, dim: int) -> CacheSpec:
+    group, bs = ((GROUP_C4_STATE, cfg.c4_state_block_size) if ratio == 4
+                 else (GROUP_C128_STATE, cfg.c128_state_block_size))
+    width = state_row_width(ratio, dim)
+    eb = width * FP32_BYTES
+    page = round_up(bs * eb, cfg.page_align)
+    return CacheSpec(name, layer, group, "state_fp32", ratio, bs, bs, eb, page, (width,), "float32")
+
+
+def layer_cache_specs(cfg: CacheConfig, layer: int) -> list[CacheSpec]:
+    """The caches layer ``layer`` owns, in a fixed order (see the module docstring)."""
+    if not 0 <= layer < cfg.num_layers:
+        raise ValueError(f"layer must be in [0, {cfg.num_layers}), got {layer}")
+    r = cfg.ratio(layer)
+    specs = [_kv_spec(cfg, "swa_kv", layer, GROUP_SWA, 1, cfg.swa_block_size)]
+    if r == 1:
+        return specs
+    specs.append(_kv_spec(cfg, "compressed_kv", layer, GROUP_FULL_MLA, r, cfg.block_size))
+    if r == 4:
+        specs.append(_indexer_spec(cfg, layer))
+    specs.append(_state_spec(cfg, "compressor_state", layer, r, cfg.head_dim))
+    if r == 4:
+        specs.append(_state_spec(cfg, "indexer_compressor_state", layer, r, cfg.index_head_dim))
+    return specs
+
+
+def cache_groups(cfg: CacheConfig) -> list[GroupSpec]:
+    """The allocation groups of a model, each with all its layers' caches; empty groups omitted.
+
+    Order: ``full_mla``, ``swa``, ``c4_state``, ``c128_state``.
+    """
+    by_group: dict[str, list[CacheSpec]] = {}
+    for layer in range(cfg.num_layers):
+        for spec in layer_cache_specs(cfg, layer):
+            by_group.setdefault(spec.group, []).append(spec)
+    defs = [
+        (GROUP_FULL_MLA, "full", cfg.block_size, None),
+        (GROUP_SWA, "sliding", cfg.swa_block_size, cfg.sliding_window),
+        (GROUP_C4_STATE, "sliding", cfg.c4_state_block_size, state_window(4)),
+        (GROUP_C128_STATE, "sliding", cfg.c128_state_block_size, state_window(128)),
+    ]
+    return [GroupSpec(n, k, tpb, w, tuple(by_group[n])) for n, k, tpb, w in defs if n in by_group]
+
+
+def v4_flash_config(kv_cache_dtype: KVCacheDtype = "fp8_ds_mla") -> CacheConfig:
+    """DeepSeek-V4-Flash cache config: 43 layers, layers 0-1 SWA-only, then C4A on even and
+    C128A on odd layer indices (21 C4A + 20 C128A).
+
+    The pattern is **partially confirmed**: taken from a third-party summary of the official
+    model card (antirez/ds4 MODEL_CARD.md), consistent with the "21 C4A layers" count in
+    docs/performance.md; not read from the released config.json.
+    """
+    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+    return CacheConfig(compress_ratios=ratios, kv_cache_dtype=kv_cache_dtype)
