@@ -233,7 +233,7 @@ def compute_swa_indices_and_lens(
         pos, t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, sm,
         idx, idx.stride(0), lens, window_size, BLOCK_W=triton.next_power_of_2(window_size),
     )
-    return idx[:num_tokens], lens[:num_tokens]
+    return idx[:num_tokens, :window_size], lens[:num_tokens]
 
 
 def compute_global_topk_indices_and_lens(
@@ -277,7 +277,7 @@ def compute_global_topk_indices_and_lens(
         loc, loc.stride(0), t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, ok,
         out, out.stride(0), lens, k, BLOCK_K=min(1024, triton.next_power_of_2(k)),
     )
-    return out[:num_tokens], lens[:num_tokens]
+    return out[:num_tokens, :k], lens[:num_tokens]
 
 
 def _range_inputs(positions, slot_mapping):

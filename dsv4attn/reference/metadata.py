@@ -139,7 +139,7 @@ def compute_swa_indices_and_lens_ref(
     slots = _lookup_slots(block_table, req, entry, block_size, j < length)
     indices_out[:num_tokens, :window_size] = slots.to(torch.int32)
     lens_out[:num_tokens] = length[:, 0].to(torch.int32)
-    return indices_out[:num_tokens], lens_out[:num_tokens]
+    return indices_out[:num_tokens, :window_size], lens_out[:num_tokens]
 
 
 def compute_global_topk_indices_and_lens_ref(
@@ -158,7 +158,7 @@ def compute_global_topk_indices_and_lens_ref(
     out[:num_tokens, :k] = _lookup_slots(block_table, req, local, block_size, local >= 0).to(torch.int32)
     count = (local >= 0).sum(dim=1)
     lens_out[:num_tokens] = torch.where(is_valid_token, count, torch.zeros_like(count)).to(torch.int32)
-    return out[:num_tokens], lens_out[:num_tokens]
+    return out[:num_tokens, :k], lens_out[:num_tokens]
 
 
 def compute_swa_ranges_ref(
