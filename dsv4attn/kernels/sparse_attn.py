@@ -1,0 +1,247 @@
+"""Triton kernels of the sparse MLA attention with attention sink over paged caches.
+
+One program owns one query token, a tile of ``BLOCK_H`` heads and (with split-KV) every
+``NUM_SPLITS``-th chunk of ``BLOCK_N`` candidates of each set. A chunk is gathered by slot,
+dequantised in registers (fp8_ds_mla: e4m3 decoded with integer bit operations, UE8M0 tile
+scale folded in; RoPE dims read as bf16), and fed to ``tl.dot`` twice (QK^T and PV, bf16 in,
+fp32 accumulate) under an online softmax in base 2 shared by both sets. All ``BLOCK_H`` heads
+of the program share one dequantisation of each entry.
+
+Addresses of masked lanes are clamped to valid ones (a -1 index is never dereferenced, even
+in address arithmetic), and masked lanes load zeros, so NaN in unused pages never reaches the
+accumulators. Byte offsets are int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: log2(e) and ln(2): the online softmax runs in base 2.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _candidate_slots(
+    t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, req, start, block_size, capacity,
+    IS_RANGE: tl.constexpr,
+):
+    """Block id (int64), offset in block (int64) and validity of candidates ``j`` of token ``t``."""
+    valid = j < length
+    if IS_RANGE:
+        e = tl.where(valid, start + j, 0)
+        col = e // block_size
+        valid = valid & (col < max_blocks) & (e >= 0)
+        col = tl.where(valid, col, 0)
+        blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + col, mask=valid, other=-1)
+        valid = valid & (blk >= 0)
+        slot = blk.to(tl.int64) * block_size + e % block_size
+    else:
+        jj = tl.where(valid, j, 0)
+        slot = tl.load(idx_ptr + t.to(tl.int64) * stride_idx + jj, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (slot >= 0)
+    valid = valid & (slot < capacity)
+    slot = tl.where(valid, slot, 0)
+    return slot // block_size, slot % block_size, valid
+
+
+@triton.jit
+def _load_k(
+    cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size,
+    IS_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Candidate rows ``[BLOCK_N, D_PAD]`` bf16 (zeros for invalid rows and pad dims)."""
+    d = tl.arange(0, D_PAD)
+    if IS_FP8:
+        base = blk * stride_blk + off * DATA_BYTES  # int64 byte offset of the entry's data
+        is_nope = d < NOPE
+        is_rope = (d >= NOPE) & (d < HEAD_DIM)
+        dn = tl.where(is_nope, d, 0)
+        b = tl.load(cache_ptr + base[:, None] + dn[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+        b = b.to(tl.uint32)
+        # e4m3fn -> fp32 exactly: sign to bit 31, exponent+mantissa to bits 20..26, times 2^120.
+        f = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+        # UE8M0 tile scales 2^(byte-127) built as fp32 exponent fields (exact for bytes 1..254; the
+        # quantiser never writes 0 or 255); tiles past NUM_TILES (RoPE dims, pad) get 1. Folding
+        # 2^120 into this factor would overflow fp32 for bytes > 134, so it is a separate multiply.
+        NT_PAD: tl.constexpr = D_PAD // TILE
+        tt = tl.arange(0, NT_PAD)
+        in_sc = tt < NUM_TILES
+        sc_off = blk * stride_blk + block_size * DATA_BYTES + off * SCALE_BYTES
+        sb = tl.load(cache_ptr + sc_off[:, None] + tl.where(in_sc, tt, 0)[None, :],
+                     mask=valid[:, None] & in_sc[None, :], other=127).to(tl.uint32)
+        sc = (sb << 23).to(tl.float32, bitcast=True)
+        sc = tl.where(in_sc[None, :], sc, 1.0)
+        f = tl.reshape(tl.reshape(f, (BLOCK_N, NT_PAD, TILE)) * sc[:, :, None], (BLOCK_N, D_PAD))
+        dr = tl.where(is_rope, d - NOPE, 0)
+        rp = (cache_ptr + base[:, None] + NOPE + 2 * dr[None, :]).to(tl.pointer_type(tl.bfloat16))
+        r = tl.load(rp, mask=valid[:, None] & is_rope[None, :], other=0.0).to(tl.float32)
+        k = (f + r).to(tl.bfloat16)
+    else:
+        in_d = d < HEAD_DIM
+        ptr = cache_ptr + (blk * stride_blk + off * stride_entry)[:, None] + tl.where(in_d, d, 0)[None, :]
+        k = tl.load(ptr, mask=valid[:, None] & in_d[None, :], other=0.0)
+    return k
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """``tl.dot`` of bf16 operands with fp32 accumulation. ``DOT_F32`` (CPU interpreter only,
+    whose bf16 dot is wrong in Triton 3.9) widens the exact bf16 values to fp32 first."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+    """One chunk of the base-2 online softmax; returns updated (m_i, l_i, acc)."""
+    s = _dot(q, tl.trans(k), DOT_F32) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), k, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_attn_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    out_ptr, stride_o_t, stride_o_h,
+    lse_ptr, stride_lse_t,
+    max_ptr, stride_max_t,
+    part_o_ptr, part_lse_ptr,
+    sink_ptr,
+    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+    a_idx_ptr, a_stride_idx, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
+    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+    b_idx_ptr, b_stride_idx, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
+    num_heads, qk_scale,
+    HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    A_FP8: tl.constexpr, A_RANGE: tl.constexpr,
+    HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
+    HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), NUM_SPLITS)``.
+
+    NUM_SPLITS == 1: writes out (bf16, normalised, sink applied), lse (natural log, +inf for
+    empty rows) and optionally max logits. NUM_SPLITS > 1: writes fp32 partials
+    ``part_o [T, NUM_SPLITS, H, D_PAD]`` (normalised) and ``part_lse [T, NUM_SPLITS, H]``
+    (base 2, -inf when the split saw no candidate) for ``_sparse_mla_combine_kernel``.
+    """
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    t64 = t.to(tl.int64)
+    q = tl.load(q_ptr + t64 * stride_q_t + tl.where(h_ok, h, 0)[:, None] * stride_q_h + tl.where(d_ok, d, 0)[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D_PAD), tl.float32)
+    jn = tl.arange(0, BLOCK_N)
+
+    a_len = tl.load(a_len_ptr + t)
+    a_req = 0
+    a_start = 0
+    if A_RANGE:
+        a_req = tl.load(a_req_ptr + t)
+        a_start = tl.load(a_start_ptr + t)
+    for c in range(split, tl.cdiv(a_len, BLOCK_N), NUM_SPLITS):
+        blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, a_idx_ptr, a_stride_idx, a_len, a_bt_ptr, a_stride_bt,
+                                           a_max_blocks, a_req, a_start, a_block_size, a_capacity, A_RANGE)
+        k = _load_k(a_cache_ptr, blk, off, valid, a_stride_blk, a_stride_entry, a_block_size, A_FP8, HEAD_DIM, NOPE,
+                    D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
+        m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32)
+    if HAS_B:
+        b_len = tl.load(b_len_ptr + t)
+        b_req = 0
+        b_start = 0
+        if B_RANGE:
+            b_req = tl.load(b_req_ptr + t)
+            b_start = tl.load(b_start_ptr + t)
+        for c in range(split, tl.cdiv(b_len, BLOCK_N), NUM_SPLITS):
+            blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, b_idx_ptr, b_stride_idx, b_len, b_bt_ptr,
+                                               b_stride_bt, b_max_blocks, b_req, b_start, b_block_size, b_capacity,
+                                               B_RANGE)
+            k = _load_k(b_cache_ptr, blk, off, valid, b_stride_blk, b_stride_entry, b_block_size, B_FP8, HEAD_DIM,
+                        NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
+            m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # base 2
+    hc = tl.where(h_ok, h, 0)
+    if NUM_SPLITS == 1:
+        lse = tl.where(empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+            o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+        o = tl.where(empty[:, None], 0.0, o)
+        tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + tl.where(d_ok, d, 0)[None, :],
+                 o.to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:
+            tl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
+    else:
+        row = (t64 * NUM_SPLITS + split) * num_heads + hc  # [BLOCK_H] int64
+        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=h_ok[:, None])
+        tl.store(part_lse_ptr + row, lse2, mask=h_ok)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    part_o_ptr, part_lse_ptr, sink_ptr,
+    out_ptr, stride_o_t, stride_o_h,
+    lse_ptr, stride_lse_t,
+    num_heads,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H))``: merge split partials, apply the sink."""
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    hc = tl.where(h_ok, h, 0)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    t64 = t.to(tl.int64)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        ls = tl.load(part_lse_ptr + (t64 * NUM_SPLITS + s) * num_heads + hc, mask=h_ok, other=float("-inf"))
+        m = tl.maximum(m, ls)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    o = tl.zeros((BLOCK_H, D_PAD), tl.float32)
+    for s in range(NUM_SPLITS):
+        row = (t64 * NUM_SPLITS + s) * num_heads + hc
+        ls = tl.load(part_lse_ptr + row, mask=h_ok, other=float("-inf"))
+        w = tl.exp2(ls - m_safe)  # 0 for empty splits
+        po = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=h_ok[:, None] & (w > 0.0)[:, None],
+                     other=0.0)
+        o += po * w[:, None]
+        den += w
+    empty = den == 0.0
+    o = o / tl.where(empty, 1.0, den)[:, None]
+    lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, den))) * LN2)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+        o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+    o = tl.where(empty[:, None], 0.0, o)
+    tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + tl.where(d_ok, d, 0)[None, :],
+             o.to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)

@@ -1,0 +1,227 @@
+"""Public op: sparse MLA attention with attention sink over paged caches (decode and prefill).
+
+``sparse_mla_attention`` validates, allocates, then runs the Triton kernels
+(:mod:`dsv4attn.kernels.sparse_attn`) or the PyTorch reference
+(:mod:`dsv4attn.reference.sparse_attn`), chosen by :func:`dsv4attn.device.resolve_impl`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4attn._checks import check_tensor
+from dsv4attn.device import resolve_impl
+from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, resolve_layout
+
+#: Head-count limit (DeepSeek-V4 has 64 or 128 query heads per rank at most).
+MAX_HEADS = 128
+#: Split-KV aims for this many programs per SM when the (token, head-tile) grid is small.
+_PROGRAMS_PER_SM = 2
+#: Most candidate splits a token is cut into (each costs a partial write + read of h*D fp32).
+_MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the attention kernel (a pure function of shapes and device)."""
+
+    block_h: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def kernel_config(
+    num_tokens: int, num_heads: int, head_dim: int, max_candidates: int, device: torch.device,
+    num_splits: int | None = None,
+) -> KernelConfig:
+    """Pick tile sizes: all heads of a 64-head tile share one dequantisation per entry; split-KV
+    only when ``num_tokens * head_tiles`` cannot fill the GPU."""
+    d_pad = max(64, 1 << (head_dim - 1).bit_length())
+    block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
+    block_n = 32 if d_pad >= 256 else 64
+    if num_splits is None:
+        num_splits = 1
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            progs = max(1, num_tokens * math.ceil(num_heads / block_h))
+            if progs < sms:
+                num_splits = min(math.ceil(_PROGRAMS_PER_SM * sms / progs), _MAX_SPLITS,
+                                 max(1, math.ceil(max_candidates / block_n)))
+    num_warps = 8 if d_pad >= 256 else 4
+    return KernelConfig(block_h, block_n, int(num_splits), num_warps, 2 if d_pad >= 256 else 1)
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,
+    sets: Sequence[CandidateSet],
+    softmax_scale: float,
+    attn_sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention (V == K) with an optional per-head attention sink.
+
+    q ``[num_tokens, num_heads, head_dim]`` bf16 (1 <= num_heads <= 128; head_dim and the
+    NoPE/RoPE split come from the caches: production 448 + 64); ``sets``: one or two
+    :class:`CandidateSet` (e.g. the SWA window and the compressed C4A/C128A entries);
+    ``attn_sink [num_heads]`` fp32 or ``None``; ``out`` an optional preallocated
+    ``[num_tokens, num_heads, head_dim]`` bf16 output (last dim contiguous).
+
+    Returns ``(out [num_tokens, num_heads, head_dim] bf16, lse [num_tokens, num_heads] fp32)``:
+    for each token and head, logits ``softmax_scale * q . k_j`` over the valid candidates of
+    all sets (one softmax; duplicates count twice), ``out = sum_j p_j k_j`` over all head_dim
+    dims, ``lse`` the natural-log logsumexp. With a sink, ``out *= 1 / (1 + exp(sink_h -
+    lse))`` and lse is unchanged (sink -inf: no effect; +inf: out = 0). A token with no valid
+    candidate gets ``out = 0`` and ``lse = +inf``. Invalid candidates (-1, at or beyond the
+    length, slot beyond the cache) are never dereferenced, so unused pages may hold anything.
+    ``num_splits`` forces the split-KV factor of the Triton path (``None``: heuristic).
+    """
+    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False)[:2]
+
+
+def _forward(
+    q: torch.Tensor,
+    sets: Sequence[CandidateSet],
+    softmax_scale: float,
+    attn_sink: torch.Tensor | None,
+    out: torch.Tensor | None,
+    impl: str,
+    num_splits: int | None,
+    want_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Shared body of the op and the FlashMLA entry points; ``want_max`` also returns the max
+    logit per (token, head) (-inf for empty rows)."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    num_tokens, num_heads, head_dim = q.shape
+    if not 1 <= num_heads <= MAX_HEADS:
+        raise ValueError(f"q must have 1..{MAX_HEADS} heads, got shape {tuple(q.shape)}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q last dim must be contiguous, got strides {q.stride()}")
+    device = q.device
+    if not isinstance(sets, Sequence) or isinstance(sets, CandidateSet) or not 1 <= len(sets) <= 2:
+        raise ValueError(f"sets must be a sequence of 1 or 2 CandidateSet, got {type(sets).__name__}")
+    for i, s in enumerate(sets):
+        check_candidate_set(f"sets[{i}]", s, num_tokens, head_dim, device)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise TypeError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
+    fp8_layouts = {resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets) if s.is_fp8}
+    if len(fp8_layouts) > 1:
+        raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(num_heads,), device=device)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, num_heads, head_dim), device=device)
+        if out.stride(2) != 1:
+            raise ValueError(f"out last dim must be contiguous, got strides {out.stride()}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    path = resolve_impl(impl, device)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    if path == "reference":
+        from dsv4attn.reference.sparse_attn import sparse_mla_forward_ref
+
+        return sparse_mla_forward_ref(q, sets, float(softmax_scale), attn_sink, out, want_max)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+    max_logits = torch.empty_like(lse) if want_max else None
+    if num_tokens == 0:
+        return out, lse, max_logits
+    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits)
+    return out, lse, max_logits
+
+
+def _set_args(s: CandidateSet) -> list:
+    """Kernel arguments of one set (dummy tensors stand in for the unused form's fields)."""
+    c = s.cache
+    if s.is_range:
+        idx, stride_idx = s.lengths, 0
+        bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
+        req, start = s.token_to_req, s.starts
+    else:
+        idx, stride_idx = s.indices, s.indices.stride(0)
+        bt, stride_bt, max_blocks, req, start = s.lengths, 0, 0, s.lengths, s.lengths
+    return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
+            idx, stride_idx, s.lengths, bt, stride_bt, max_blocks, req, start]
+
+
+def _static_width(s: CandidateSet) -> int:
+    """Upper bound on a token's candidates of ``s`` known without reading device data."""
+    if s.indices is not None:
+        return s.indices.shape[1]
+    return s.block_table.shape[1] * s.block_size
+
+
+def _launch(
+    q: torch.Tensor,
+    sets: Sequence[CandidateSet],
+    softmax_scale: float,
+    attn_sink: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_logits: torch.Tensor | None,
+    num_splits: int | None,
+    config: KernelConfig | None = None,
+) -> None:
+    """Run the Triton kernels (split-KV + combine when the config asks for splits)."""
+    import triton
+
+    from dsv4attn.kernels.sparse_attn import LOG2E, _sparse_mla_attn_kernel, _sparse_mla_combine_kernel
+
+    num_tokens, num_heads, head_dim = q.shape
+    lays = [resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets)]
+    lay = next((x for x in lays if x is not None), None)
+    nope = lay.nope_dim if lay else head_dim
+    data_bytes = lay.data_bytes if lay else 0
+    scale_bytes = lay.scale_bytes if lay else 0
+    num_tiles = lay.num_tiles if lay else 0
+    cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
+                                  num_splits)
+    d_pad = max(64, triton.next_power_of_2(head_dim))
+    a = sets[0]
+    b = sets[1] if len(sets) > 1 else sets[0]
+    sink = attn_sink if attn_sink is not None else lse
+    mx = max_logits if max_logits is not None else lse
+    grid = (num_tokens, triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    if cfg.num_splits > 1:
+        if max_logits is not None:
+            raise ValueError("max logits are only produced without split-KV (num_splits=1)")
+        part_o = torch.empty(num_tokens * cfg.num_splits * num_heads * d_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens * cfg.num_splits * num_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = lse
+    _sparse_mla_attn_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0),
+        mx, mx.stride(0),
+        part_o, part_lse,
+        sink,
+        *_set_args(a), *_set_args(b),
+        num_heads, softmax_scale * LOG2E,
+        HEAD_DIM=head_dim, NOPE=nope, D_PAD=d_pad,
+        DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes, NUM_TILES=num_tiles, TILE=64,
+        A_FP8=a.is_fp8, A_RANGE=a.is_range,
+        HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
+        HAS_SINK=attn_sink is not None, WRITE_MAX=max_logits is not None,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits,
+        DOT_F32=q.device.type == "cpu",  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, cfg.block_h))](
+            part_o, part_lse, sink,
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0),
+            num_heads,
+            HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
+            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits,
+            num_warps=cfg.num_warps,
+        )
