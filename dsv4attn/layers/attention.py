@@ -1,0 +1,150 @@
+"""The DeepSeek-V4 attention layer: parameters in checkpoint layout plus its math pieces.
+
+``DeepseekV4Attention(config, layer_idx)`` has exactly the reference module's parameters
+(``q_a_proj``, ``q_a_norm``, ``q_b_proj``, ``kv_proj``, ``kv_norm``, ``o_a_proj``, ``o_b_proj``,
+``sinks``, and for compressed layers ``compressor.*`` incl. ``compressor.indexer.*``), so a HF
+state dict loads with ``strict=True``. Per token at position ``p``:
+
+- ``qr = q_a_norm(q_a_proj(h))``; ``q = RoPE_p(RMSNorm_noweight(q_b_proj(qr)))`` per head;
+- ``kv = RoPE_p(kv_norm(kv_proj(h)))`` (one shared K = V head);
+- attention over the SWA set (positions ``max(0, p-W+1) .. p``) plus the compressed set
+  (CSA: the indexer's top-k of entries ``< (p+1)//r``; HCA: all entries ``< (p+1)//r``),
+  ``softmax(q.k * head_dim^-0.5)`` with the per-head sink in the denominator;
+- inverse RoPE_p on the output's rope dims, grouped ``o_a_proj`` then ``o_b_proj``.
+
+:meth:`forward` runs one whole sequence from position 0 without caches (plain PyTorch; the
+executable spec). The paged, batched, incremental path is ``dsv4attn.layers.runner``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4attn.config import AttentionConfig
+from dsv4attn.layers.compressor import Compressor
+from dsv4attn.layers.indexer import Indexer, select_topk
+from dsv4attn.layers.norm import RMSNorm, rms_norm_unweighted
+from dsv4attn.layers.rope import RotaryTable, apply_rope
+
+
+class GroupedLinear(nn.Linear):
+    """Block-diagonal linear: ``weight [G * out_g, in_g]``; group g maps ``x[..., g, :]`` with rows
+    ``g*out_g .. (g+1)*out_g - 1``. x ``[T, G, in_g]`` -> ``[T, G * out_g]``."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__(in_per_group, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        G = self.groups
+        w = self.weight.view(G, -1, x.shape[-1])  # [G, out_g, in_g]
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+
+class CSACompressor(Compressor):
+    """The CSA main compressor (overlapping windows) owning the lightning ``indexer``."""
+
+    def __init__(self, config: AttentionConfig, ratio: int) -> None:
+        super().__init__(config.hidden_size, config.head_dim, ratio, overlap=True, eps=config.rms_norm_eps)
+        self.indexer = Indexer(
+            config.hidden_size, config.q_lora_rank, config.index_num_heads, config.index_head_dim,
+            ratio, config.index_topk, config.rms_norm_eps,
+        )
+
+
+class DeepseekV4Attention(nn.Module):
+    """One attention layer (kind from ``config.layer_kind(layer_idx)``)."""
+
+    def __init__(self, config: AttentionConfig, layer_idx: int) -> None:
+        super().__init__()
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.kind = config.layer_kind(layer_idx)
+        self.ratio = config.compress_ratio(layer_idx)
+        H, D, c = config.num_heads, config.head_dim, config
+        self.num_heads, self.head_dim = H, D
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, H * D, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, D, bias=False)
+        self.kv_norm = RMSNorm(D, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(H * D // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(H))
+        self.rotary = RotaryTable(config.rope(layer_idx), c.rope_dim)
+        if self.kind == "csa":
+            self.compressor: Compressor | None = CSACompressor(config, self.ratio)
+        elif self.kind == "hca":
+            self.compressor = Compressor(c.hidden_size, D, self.ratio, overlap=False, eps=c.rms_norm_eps)
+        else:
+            self.compressor = None
+
+    @property
+    def indexer(self) -> Indexer | None:
+        return self.compressor.indexer if self.kind == "csa" else None
+
+    # ---- pieces shared by the dense path and the paged runner ------------------------------
+    def project_q(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden ``[T, hidden]`` -> (q ``[T, H, D]``, qr ``[T, q_lora_rank]``), in the hidden dtype."""
+        qr = self.q_a_norm(self.q_a_proj(hidden))
+        q = self.q_b_proj(qr).view(hidden.shape[0], self.num_heads, self.head_dim)
+        q = apply_rope(rms_norm_unweighted(q, self.config.rms_norm_eps), cos, sin)
+        return q, qr
+
+    def project_kv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, hidden]`` -> the shared K = V row ``[T, D]`` (normed, rotated at p)."""
+        return apply_rope(self.kv_norm(self.kv_proj(hidden)), cos, sin)
+
+    def attend_dense(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H, D]``, keys ``[T, C, D]`` (candidates per token), valid bool ``[T, C]`` -> ``[T, H, D]``.
+
+        ``out = sum_j p_j k_j`` with ``p = softmax([logits, sink])[:-1]``, logits ``q.k * D^-0.5``;
+        fp32 math, result in ``q.dtype``. Tokens with no valid candidate get 0.
+        """
+        logits = torch.einsum("thd,tcd->thc", q.float(), keys.float()) * self.config.softmax_scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("thc,tcd->thd", probs, keys.float()).to(q.dtype)
+
+    def project_out(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """attn ``[T, H, D]`` -> ``[T, hidden]``: inverse RoPE at p, grouped ``o_a_proj``, ``o_b_proj``."""
+        attn = apply_rope(attn, cos, sin, inverse=True)
+        grouped = attn.reshape(attn.shape[0], self.config.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped))
+
+    # ---- the cache-free whole-sequence path (executable spec) ------------------------------
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, hidden_size]`` of ONE sequence at positions ``0 .. T-1`` -> ``[T, hidden_size]``."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        T, dev, W = hidden.shape[0], hidden.device, self.config.window_size
+        pos = torch.arange(T, device=dev)
+        cos, sin = self.rotary(pos)
+        q, qr = self.project_q(hidden, cos, sin)
+        kv = self.project_kv(hidden, cos, sin)
+        swa_pos = pos[:, None] - W + 1 + torch.arange(W, device=dev)[None, :]  # [T, W]
+        keys = [kv[swa_pos.clamp(min=0)]]
+        valid = [swa_pos >= 0]
+        if self.compressor is not None:
+            comp = self.compressor.compress_dense(self.compressor.state_rows(hidden, pos), self.rotary, hidden.dtype)
+            n = comp.shape[0]
+            eligible = (pos + 1) // self.ratio  # [T]
+            if self.kind == "csa":
+                idx_mod = self.indexer
+                ikeys = idx_mod.compress_dense(idx_mod.state_rows(hidden, pos), self.rotary, hidden.dtype)
+                iq, iw = idx_mod.queries(qr, hidden, cos, sin)
+                scores = idx_mod.scores(iq, iw, ikeys[None].expand(T, -1, -1))
+                sel = select_topk(scores, eligible, idx_mod.topk).long()  # [T, K]
+            else:
+                sel = torch.arange(n, device=dev)[None, :].expand(T, -1)
+                sel = torch.where(sel < eligible[:, None], sel, torch.full_like(sel, -1))
+            keys.append(comp[sel.clamp(min=0)] if n else comp.new_zeros((T, 0, self.head_dim)))
+            valid.append(sel >= 0)
+        attn = self.attend_dense(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1))
+        return self.project_out(attn, cos, sin)
