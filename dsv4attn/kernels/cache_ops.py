@@ -66,6 +66,14 @@ def _pow2(e):
 
 
 @triton.jit
+def _page_offset(slot, block_size, stride_block):
+    """(offset of the slot's page from the cache base, entry index in the block), in int64:
+    ``(slot // block_size) * stride_block`` passes 2^31 for ~57K blocks of a 37,440 B page."""
+    slot = slot.to(tl.int64)
+    return (slot // block_size) * stride_block, slot % block_size
+
+
+@triton.jit
 def _insert_kv_fp8_kernel(
     kv_ptr, slot_ptr, cache_ptr,
     stride_kv_t, stride_cache_block, block_size, num_slots,
@@ -78,9 +86,8 @@ def _insert_kv_fp8_kernel(
     if (slot < 0) | (slot >= num_slots):
         return
     DATA_BYTES: tl.constexpr = NOPE_DIM + 2 * ROPE_DIM
-    blk = slot // block_size
-    off = slot % block_size
-    page = cache_ptr + blk * stride_cache_block                      # int64 byte offset
+    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    page = cache_ptr + page_off
     data = page + off * DATA_BYTES
     scales = page + block_size * DATA_BYTES + off * SCALE_BYTES
     row = kv_ptr + t.to(tl.int64) * stride_kv_t
@@ -127,7 +134,8 @@ def _insert_rows_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    dst = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_entry
+    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    dst = cache_ptr + page_off + off * stride_cache_entry
     src = src_ptr + t.to(tl.int64) * stride_src_t
     for d0 in range(0, dim, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -151,9 +159,8 @@ def _insert_indexer_k_fp8_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    blk = slot // block_size
-    off = slot % block_size
-    page = cache_ptr + blk * stride_cache_block
+    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    page = cache_ptr + page_off
     d = tl.arange(0, BLOCK_D)
     m = d < DIM
     x = tl.load(k_ptr + t.to(tl.int64) * stride_k_t + d, mask=m, other=0.0).to(tl.float32)
@@ -183,7 +190,8 @@ def _write_compressor_state_kernel(
         return
     p = tl.load(pos_ptr + t).to(tl.int64)
     rr = ((p % ratio) + ratio) % ratio
-    dst = state_ptr + (slot // block_size) * stride_state_block + (slot % block_size) * stride_state_entry
+    page_off, off = _page_offset(slot, block_size, stride_state_block)
+    dst = state_ptr + page_off + off * stride_state_entry
     t64 = t.to(tl.int64)
     for w0 in range(0, width, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
