@@ -1,0 +1,207 @@
+"""One step of a DeepSeek-V4 attention layer over paged caches, for a whole batch at once.
+
+The batch is flat: ``T`` tokens of ``R`` requests (decodes first), described by the step's
+``BatchMetadata`` / ``StepMetadata`` (``dsv4attn.metadata``). Order within the step (all cache
+writes happen before attention reads, as in the serving engine):
+
+1. q / kv projections; kv inserted into the SWA cache at the step's SWA slot mapping;
+2. compressors (main, and the indexer's for CSA): every token saves its state row into the state
+   cache; every token completing a block (``(p+1) % r == 0``, i.e. compressed slot >= 0) pools
+   its window's rows (read back through the state block table, so windows opened in earlier
+   steps close correctly), normalises, rotates at ``k*r`` and writes the compressed entry;
+3. CSA: indexer queries score the request's indexer keys (read from the cache), deterministic
+   top-k, local -> global slots (``StepMetadataBuilder.global_topk``);
+4. sparse attention with the sink over the SWA range and the compressed set;
+5. inverse RoPE + grouped output projection.
+
+Each op runs once for the whole batch. Cache writers and the attention op come from
+``dsv4attn.ops``; the pooling gather and the indexer scoring are plain PyTorch here (no kernel
+of their own yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4attn.kv_cache.layout import FP8DSMLALayout
+from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
+from dsv4attn.layers.attention import DeepseekV4Attention
+from dsv4attn.layers.compressor import Compressor
+from dsv4attn.layers.indexer import select_topk
+from dsv4attn.metadata import StepMetadata, StepMetadataBuilder
+from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.reference.sparse_attn import candidate_slots, gather_entries
+
+#: Query tokens scored per chunk by the indexer (bounds the [tokens, entries, D_I] gather).
+_INDEXER_TOKENS_PER_CHUNK = 64
+
+
+@dataclass
+class LayerCaches:
+    """The paged caches of one layer (views handed to the ops).
+
+    swa / compressed: ``auto`` rows ``(num_blocks, bs, head_dim)`` in the model dtype, or
+    fp8_ds_mla uint8 views; indexer_k: rows ``(num_blocks, 64, D_I)`` or the fp8 indexer layout;
+    states: fp32 ``(num_blocks, state_bs, 2*coff*D)``. Block sizes count stored entries.
+    """
+
+    kv_cache_dtype: str
+    layout: FP8DSMLALayout
+    swa: torch.Tensor
+    compressed: torch.Tensor | None = None
+    indexer_k: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    indexer_state: torch.Tensor | None = None
+
+
+def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of raw positions in a state cache: positions/req ``[...]`` -> (slot int64, valid bool).
+
+    Invalid (negative position, column beyond the table or a freed/-1 block): slot 0, valid False.
+    """
+    pos = positions.long()
+    col = torch.div(pos.clamp(min=0), block_size, rounding_mode="floor")
+    ok = (pos >= 0) & (col < block_table.shape[1])
+    blk = block_table[req.long(), col.clamp(max=max(block_table.shape[1] - 1, 0))].long()
+    ok = ok & (blk >= 0)
+    slot = blk * block_size + torch.remainder(pos.clamp(min=0), block_size)
+    return torch.where(ok, slot, torch.zeros_like(slot)), ok
+
+
+def run_compressor(
+    comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
+    state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
+    rotary: torch.nn.Module, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Save every token's state row, then build the entries completed in this step.
+
+    Returns (entries ``[B, D]`` in hidden's dtype, their compressed slots int64 ``[B]``) for the
+    B boundary tokens (``entry_slots >= 0``); the caller writes them to its cache.
+    """
+    bs = state_cache.shape[1]
+    slots, ok = state_slots(positions, token_to_req, state_table, bs)
+    write_compressor_state(comp.kv_proj(hidden).float(), comp.gate_proj(hidden).float(),
+                           comp.position_bias.float().contiguous(), positions,
+                           torch.where(ok, slots, torch.full_like(slots, -1)), state_cache, impl=impl)
+    boundary = (entry_slots >= 0).nonzero().squeeze(1)
+    if boundary.numel() == 0:
+        return hidden.new_zeros((0, comp.dim)), entry_slots[:0]
+    bpos = positions[boundary].long()
+    first = torch.div(bpos, comp.ratio, rounding_mode="floor") * comp.ratio
+    window = comp.window_positions(first // comp.ratio)  # [B, L]
+    req = token_to_req[boundary].long()[:, None].expand_as(window)
+    wslots, wvalid = state_slots(window, req, state_table, bs)
+    rows = state_cache.reshape(-1, state_cache.shape[2])[wslots]  # [B, L, width] fp32
+    cos, sin = rotary(first)
+    entries = comp.finish(comp.pool(rows, wvalid), cos, sin, hidden.dtype)
+    return entries, entry_slots[boundary]
+
+
+def gather_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """Indexer keys at global ``slots [...]`` (all valid) -> fp32 ``[..., D_I]``."""
+    bs = cache.shape[1]
+    blk, off = torch.div(slots, bs, rounding_mode="floor"), torch.remainder(slots, bs)
+    if not fp8:
+        return cache[blk, off].float()
+    d = cache.shape[2] - INDEXER_SCALE_BYTES
+    base = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,), cache.storage_offset())
+    blk_base = blk * cache.stride(0)
+    data = base[(blk_base + off * d)[..., None] + torch.arange(d, device=slots.device)]
+    scale = base[(blk_base + bs * d + off * INDEXER_SCALE_BYTES)[..., None]
+                 + torch.arange(INDEXER_SCALE_BYTES, device=slots.device)]
+    return data.view(torch.float8_e4m3fn).float() * scale.contiguous().view(torch.float32)
+
+
+def indexer_topk(
+    layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
+) -> torch.Tensor:
+    """Request-local top-k int32 ``[T, min(topk, N)]`` (-1 padded) of every token; N = the most
+    eligible entries ``(p+1)//r`` of any token in the step."""
+    idx = layer.indexer
+    eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
+    T = positions.shape[0]
+    n_max = int(eligible.max()) if T else 0
+    width = min(idx.topk, n_max)
+    out = torch.full((T, width), -1, dtype=torch.int32, device=positions.device)
+    if width == 0:
+        return out
+    q, w = idx.queries(qr, hidden, cos, sin)
+    bs = caches.indexer_k.shape[1]
+    e = torch.arange(n_max, device=positions.device)
+    fp8 = caches.kv_cache_dtype == "fp8_ds_mla"
+    for t0 in range(0, T, _INDEXER_TOKENS_PER_CHUNK):
+        rows = slice(t0, min(T, t0 + _INDEXER_TOKENS_PER_CHUNK))
+        req = token_to_req[rows].long()[:, None].expand(-1, n_max)
+        valid = e[None, :] < eligible[rows, None]
+        slot, ok = state_slots(e[None, :].expand_as(req), req, mla_table, bs)
+        ok = ok & valid
+        keys = gather_indexer_keys(caches.indexer_k, torch.where(ok, slot, torch.zeros_like(slot)), fp8)
+        keys = torch.where(ok[..., None], keys, torch.zeros((), device=keys.device))
+        scores = idx.scores(q[rows], w[rows], keys)
+        out[rows] = select_topk(scores, eligible[rows], idx.topk)
+    return out
+
+
+def attention_fp32(q: torch.Tensor, sets: list[CandidateSet], scale: float, sink: torch.Tensor,
+                   layout: FP8DSMLALayout | None) -> torch.Tensor:
+    """fp32 sparse attention with sink over candidate sets (same candidate semantics as the op,
+    which only takes bf16 q): q ``[T, H, D]`` fp32 -> ``[T, H, D]`` fp32. Empty rows -> 0."""
+    T = q.shape[0]
+    ks, valids = [], []
+    rows = slice(0, T)
+    for s in sets:
+        slot, valid = candidate_slots(s, rows)
+        k = gather_entries(s, slot, layout if s.is_fp8 else None)
+        ks.append(torch.where(valid[..., None], k, torch.zeros((), device=k.device)))
+        valids.append(valid)
+    k, valid = torch.cat(ks, dim=1), torch.cat(valids, dim=1)
+    logits = torch.einsum("thd,tcd->thc", q.float(), k) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sinks = sink.float()[None, :, None].expand(T, -1, 1)
+    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thc,tcd->thd", probs, k)
+
+
+def layer_step(
+    layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
+    caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto",
+) -> torch.Tensor:
+    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
+    batch = step.batch
+    pos, t2r = batch.positions, step.token_to_req
+    cos, sin = layer.rotary(pos)
+    q, qr = layer.project_q(hidden, cos, sin)
+    kv = layer.project_kv(hidden, cos, sin)
+    kcd = caches.kv_cache_dtype
+    insert_kv(kv, batch.slot_mapping, caches.swa, kcd, layout=caches.layout, impl=impl)
+    sw = step.swa
+    sets = [CandidateSet(caches.swa, sw.lengths, block_table=sw.block_table, token_to_req=t2r,
+                         starts=sw.starts, layout=caches.layout if kcd == "fp8_ds_mla" else None)]
+    if layer.compressor is not None:
+        cm = step.compressed[layer.ratio]
+        entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
+                                        cm.slot_mapping, layer.rotary, impl)
+        insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, impl=impl)
+        lay = caches.layout if kcd == "fp8_ds_mla" else None
+        if layer.kind == "csa":
+            ientries, islots = run_compressor(layer.indexer, hidden, pos, t2r, caches.indexer_state, state_table,
+                                              cm.slot_mapping, layer.rotary, impl)
+            insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, impl=impl)
+            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table)
+            glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
+            sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
+        else:
+            sets.append(CandidateSet(caches.compressed, cm.lengths, block_table=cm.block_table, token_to_req=t2r,
+                                     starts=cm.starts, layout=lay))
+    scale = layer.config.softmax_scale
+    if q.dtype == torch.bfloat16:
+        attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(), impl=impl)
+    else:
+        attn = attention_fp32(q, sets, scale, layer.sinks, caches.layout).to(q.dtype)
+    return layer.project_out(attn, cos, sin)
