@@ -97,7 +97,13 @@ def insert_kv(
     if kv.stride(1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
     if kv_cache_dtype == "fp8_ds_mla":
-        layout = layout or layout_for_head_dim(head_dim, 64)
+        if layout is None:
+            layout = layout_for_head_dim(head_dim, 64)
+            if isinstance(cache, torch.Tensor) and cache.dim() == 3 and cache.shape[2] != layout.entry_bytes:
+                raise ValueError(
+                    f"kv head_dim {head_dim} gives {layout.entry_bytes}-byte fp8_ds_mla entries (rope 64) but "
+                    f"cache has {cache.shape[2]}; pass layout= for other NoPE/RoPE splits"
+                )
         if layout.head_dim != head_dim:
             raise ValueError(f"kv head_dim {head_dim} does not match layout head_dim {layout.head_dim}")
         check_fp8_ds_mla_cache("cache", cache, layout)
