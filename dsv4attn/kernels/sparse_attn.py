@@ -87,26 +87,42 @@ def _load_k(
     return k
 
 
+# ``CPU_INTERP`` (true only for CPU tensors, i.e. under Triton's interpreter) works around two
+# interpreter defects seen in Triton 3.9: ``tl.dot`` of bf16 operands returns garbage, and the
+# fp32 -> bf16 cast truncates instead of rounding to nearest-even. Compiled GPU code takes the
+# native paths.
+
+
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    """``tl.dot`` of bf16 operands with fp32 accumulation. ``DOT_F32`` (CPU interpreter only,
-    whose bf16 dot is wrong in Triton 3.9) widens the exact bf16 values to fp32 first."""
-    if DOT_F32:
+def _dot(a, b, CPU_INTERP: tl.constexpr):
+    """``tl.dot`` of bf16 operands with fp32 accumulation (interpreter: widened to fp32 first,
+    exact since the operands are bf16 values)."""
+    if CPU_INTERP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
 
 
 @triton.jit
-def _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+def _to_bf16(x, CPU_INTERP: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest-even (interpreter: by integer bit operations)."""
+    if CPU_INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP: tl.constexpr):
     """One chunk of the base-2 online softmax; returns updated (m_i, l_i, acc)."""
-    s = _dot(q, tl.trans(k), DOT_F32) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
+    s = _dot(q, tl.trans(k), CPU_INTERP) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), k, DOT_F32)
+    acc = acc * alpha[:, None] + _dot(_to_bf16(p, CPU_INTERP), k, CPU_INTERP)
     return m_new, l_i, acc
 
 
@@ -128,7 +144,7 @@ def _sparse_mla_attn_kernel(
     A_FP8: tl.constexpr, A_RANGE: tl.constexpr,
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), NUM_SPLITS)``.
 
@@ -164,7 +180,7 @@ def _sparse_mla_attn_kernel(
                                            a_max_blocks, a_req, a_start, a_block_size, a_capacity, A_RANGE)
         k = _load_k(a_cache_ptr, blk, off, valid, a_stride_blk, a_stride_entry, a_block_size, A_FP8, HEAD_DIM, NOPE,
                     D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
-        m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32)
+        m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP)
     if HAS_B:
         b_len = tl.load(b_len_ptr + t)
         b_req = 0
@@ -178,7 +194,7 @@ def _sparse_mla_attn_kernel(
                                                B_RANGE)
             k = _load_k(b_cache_ptr, blk, off, valid, b_stride_blk, b_stride_entry, b_block_size, B_FP8, HEAD_DIM,
                         NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
-            m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, DOT_F32)
+            m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -189,10 +205,10 @@ def _sparse_mla_attn_kernel(
         lse = tl.where(empty, float("inf"), lse2 * LN2)
         if HAS_SINK:
             sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+            o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
         o = tl.where(empty[:, None], 0.0, o)
         tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + tl.where(d_ok, d, 0)[None, :],
-                 o.to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+                 _to_bf16(o, CPU_INTERP), mask=h_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
         if WRITE_MAX:
             tl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
@@ -209,7 +225,7 @@ def _sparse_mla_combine_kernel(
     lse_ptr, stride_lse_t,
     num_heads,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
-    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H))``: merge split partials, apply the sink."""
     t = tl.program_id(0)
@@ -240,8 +256,8 @@ def _sparse_mla_combine_kernel(
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, den))) * LN2)
     if HAS_SINK:
         sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-        o = o * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+        o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
     o = tl.where(empty[:, None], 0.0, o)
     tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + tl.where(d_ok, d, 0)[None, :],
-             o.to(tl.bfloat16), mask=h_ok[:, None] & d_ok[None, :])
+             _to_bf16(o, CPU_INTERP), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)

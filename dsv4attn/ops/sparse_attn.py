@@ -212,7 +212,7 @@ def _launch(
         HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
         HAS_SINK=attn_sink is not None, WRITE_MAX=max_logits is not None,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits,
-        DOT_F32=q.device.type == "cpu",  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9)
+        CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
@@ -222,6 +222,6 @@ def _launch(
             lse, lse.stride(0),
             num_heads,
             HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
-            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits,
+            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits, CPU_INTERP=q.device.type == "cpu",
             num_warps=cfg.num_warps,
         )

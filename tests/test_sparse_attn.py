@@ -1,0 +1,176 @@
+"""sparse_mla_attention (Triton kernel and PyTorch reference) against an fp64 oracle.
+
+Tolerance (flash-attention rule): the kernel's max error vs the fp64 oracle is at most 2x the
+error of the same computation run with bf16 weights/outputs (see helpers.assert_matches),
+inf/NaN positions of lse match, and no NaN reaches the output although unused pages are
+NaN-poisoned. Interpreter shapes are small; a few production-layout (448 + 64) cases run too.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+from test_sparse_attn_helpers import (
+    PROD_LAYOUT,
+    SMALL_LAYOUT,
+    SetSpec,
+    assert_matches,
+    build_set,
+    make_sink,
+    oracle,
+)
+
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import sparse_mla_attention
+
+# (id, num_heads, num_tokens, layout, set specs, num_splits, sink kind, num_reqs)
+CASES = [
+    ("h1-idx-fp8", 1, 4, SMALL_LAYOUT, [SetSpec("indices", True, 16, 70)], 1, "none", 1),
+    ("h3-range-bf16+idx-fp8", 3, 5, SMALL_LAYOUT,
+     [SetSpec("range", False, 16, 33), SetSpec("indices", True, 8, 20)], 1, "finite", 2),
+    ("h8-range-fp8+idx-fp8-split3", 8, 4, SMALL_LAYOUT,
+     [SetSpec("range", True, 16, 100), SetSpec("indices", True, 16, 65)], 3, "inf", 3),
+    ("h8-idx-bf16+range-bf16", 8, 3, SMALL_LAYOUT,
+     [SetSpec("indices", False, 4, 17), SetSpec("range", False, 2, 9)], 1, "inf", 2),
+    ("h64-idx-fp8+range-fp8-split2", 64, 2, SMALL_LAYOUT,
+     [SetSpec("indices", True, 16, 64), SetSpec("range", True, 64, 129)], 2, "finite", 1),
+    ("h128-range-fp8", 128, 1, SMALL_LAYOUT, [SetSpec("range", True, 2, 40)], 1, "inf", 1),
+    ("prod-h3-idx-fp8+range-fp8", 3, 2, PROD_LAYOUT,
+     [SetSpec("indices", True, 64, 40), SetSpec("range", True, 64, 33)], 1, "finite", 1),
+    ("prod-h64-idx-fp8-split2", 64, 1, PROD_LAYOUT, [SetSpec("indices", True, 64, 66)], 2, "inf", 1),
+]
+
+
+def _run_case(case, device, impl):
+    _, num_heads, num_tokens, layout, specs, num_splits, sink_kind, num_reqs = case
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
+    token_to_req = [t * num_reqs // num_tokens for t in range(num_tokens)]
+    built = [build_set(s, num_tokens, token_to_req, layout, gen, device) for s in specs]
+    d = layout.head_dim
+    q = torch.randn(num_tokens, num_heads, d, generator=gen).to(torch.bfloat16)
+    scale = d**-0.5 * 2.0  # sharper than 1/sqrt(d) so the softmax is far from uniform
+    sink = make_sink(num_heads, sink_kind, gen)
+    kw = dict(num_splits=num_splits) if impl == "triton" else {}
+    out, lse = sparse_mla_attention(q.to(device), [b.cset for b in built], scale,
+                                    None if sink is None else sink.to(device), impl=impl, **kw)
+    assert out.shape == (num_tokens, num_heads, d) and out.dtype == torch.bfloat16
+    assert lse.shape == (num_tokens, num_heads) and lse.dtype == torch.float32
+    ref = oracle(q, built, scale, sink)
+    base = oracle(q, built, scale, sink, low_precision=True)
+    assert_matches(out, lse, ref, base, case[0])
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_fp64_oracle(case, impl, device):
+    _run_case(case, device, impl)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_empty_rows_and_lengths_zero(impl, device):
+    """Tokens with length 0, with only -1 holes, and one with a single candidate."""
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, num_heads = 4, 3
+    a = build_set(SetSpec("indices", True, 16, 20, hole_frac=0.0), num_tokens, [0] * num_tokens, SMALL_LAYOUT, gen,
+                  device, lengths=[0, 20, 1, 0])
+    idx = a.cset.indices.clone()
+    idx[1] = -1  # token 1: 20 candidates, all holes
+    a.slots[1] = []
+    a = type(a)(CandidateSet(cache=a.cset.cache, lengths=a.cset.lengths, indices=idx, layout=SMALL_LAYOUT),
+                a.kdec, a.slots)
+    b = build_set(SetSpec("range", True, 16, 5), num_tokens, [0] * num_tokens, SMALL_LAYOUT, gen, device,
+                  lengths=[0, 0, 0, 2])
+    q = torch.randn(num_tokens, num_heads, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    sink = torch.tensor([0.3, float("inf"), float("-inf")])
+    out, lse = sparse_mla_attention(q.to(device), [a.cset, b.cset], 0.1, sink.to(device), impl=impl)
+    assert torch.isinf(lse[0]).all() and (lse[0] > 0).all() and (out[0] == 0).all()
+    assert torch.isinf(lse[1]).all() and (out[1] == 0).all()
+    assert torch.isfinite(lse[2:]).all()
+    assert (out[2:, 1] == 0).all()  # sink +inf zeroes the output, lse stays finite
+    assert_matches(out, lse, oracle(q, [a, b], 0.1, sink), oracle(q, [a, b], 0.1, sink, True), "empty")
+
+
+def test_no_tokens(device):
+    gen = torch.Generator().manual_seed(1)
+    a = build_set(SetSpec("indices", True, 16, 4), 0, [], SMALL_LAYOUT, gen, device, lengths=[])
+    q = torch.empty(0, 2, SMALL_LAYOUT.head_dim, dtype=torch.bfloat16, device=device)
+    for impl in ("triton", "reference"):
+        out, lse = sparse_mla_attention(q, [a.cset], 0.1, impl=impl)
+        assert out.shape == (0, 2, SMALL_LAYOUT.head_dim) and lse.shape == (0, 2)
+
+
+def test_preallocated_out_is_written_in_place(device):
+    """A poisoned strided ``out`` (a head-padded buffer) gets every element written, nothing else."""
+    gen = torch.Generator().manual_seed(3)
+    a = build_set(SetSpec("range", True, 16, 24), 3, [0, 0, 1], SMALL_LAYOUT, gen, device)
+    q = torch.randn(3, 5, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    buf = torch.full((3, 8, SMALL_LAYOUT.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+    out_view = buf[:, 2:7]
+    out, lse = sparse_mla_attention(q.to(device), [a.cset], 0.2, out=out_view, impl="triton")
+    assert out.data_ptr() == out_view.data_ptr()
+    assert not torch.isnan(buf[:, 2:7]).any()
+    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 7:]).all()
+    assert_matches(out, lse, oracle(q, [a], 0.2, None), oracle(q, [a], 0.2, None, True), "out=")
+
+
+def test_split_kv_matches_single_pass(device):
+    """Split-KV + combine and the single pass agree closely (same arithmetic, other order)."""
+    gen = torch.Generator().manual_seed(5)
+    a = build_set(SetSpec("indices", True, 16, 150), 2, [0, 0], SMALL_LAYOUT, gen, device)
+    q = torch.randn(2, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    sink = torch.tensor([0.0, 1.0, float("inf"), float("-inf")], device=device)
+    o1, l1 = sparse_mla_attention(q, [a.cset], 0.15, sink, impl="triton", num_splits=1)
+    o4, l4 = sparse_mla_attention(q, [a.cset], 0.15, sink, impl="triton", num_splits=4)
+    torch.testing.assert_close(l1, l4, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o1.float(), o4.float(), rtol=2**-7, atol=1e-3)
+
+
+def _valid_args(device):
+    gen = torch.Generator().manual_seed(11)
+    a = build_set(SetSpec("indices", True, 16, 8), 2, [0, 0], SMALL_LAYOUT, gen, device)
+    q = torch.randn(2, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    return q, a.cset
+
+
+def test_bad_inputs_raise_naming_the_argument(device):
+    q, s = _valid_args(device)
+    with pytest.raises(TypeError, match="q"):
+        sparse_mla_attention(q.float(), [s], 0.1)
+    with pytest.raises(ValueError, match="heads"):
+        sparse_mla_attention(torch.zeros(2, 129, q.shape[2], dtype=torch.bfloat16, device=device), [s], 0.1)
+    with pytest.raises(ValueError, match="sets"):
+        sparse_mla_attention(q, [s, s, s], 0.1)
+    with pytest.raises(ValueError, match="sets"):
+        sparse_mla_attention(q, [], 0.1)
+    with pytest.raises(TypeError, match="sets\\[0\\]"):
+        sparse_mla_attention(q, ["x"], 0.1)
+    with pytest.raises(TypeError, match="lengths"):
+        sparse_mla_attention(q, [CandidateSet(s.cache, s.lengths.long(), indices=s.indices)], 0.1)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_attention(q, [CandidateSet(s.cache, s.lengths, indices=s.indices[:1])], 0.1)
+    with pytest.raises(ValueError, match="range form needs"):
+        sparse_mla_attention(q, [CandidateSet(s.cache, s.lengths)], 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        sparse_mla_attention(q[..., :64].contiguous(), [s], 0.1)
+    with pytest.raises(ValueError, match="attn_sink"):
+        sparse_mla_attention(q, [s], 0.1, attn_sink=torch.zeros(3, device=device))
+    with pytest.raises(TypeError, match="softmax_scale"):
+        sparse_mla_attention(q, [s], float("nan"))
+    with pytest.raises(ValueError, match="out"):
+        sparse_mla_attention(q, [s], 0.1, out=torch.empty(2, 3, q.shape[2], dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="impl"):
+        sparse_mla_attention(q, [s], 0.1, impl="cuda")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_heads", [1, 3, 8, 64, 128])
+@pytest.mark.parametrize("layout", [SMALL_LAYOUT, PROD_LAYOUT], ids=["small", "prod"])
+def test_sweep_slow(num_heads, layout, device):
+    for splits in (1, 3):
+        case = (f"sweep-h{num_heads}-{layout.nope_dim}-s{splits}", num_heads, 3, layout,
+                [SetSpec("indices", True, 64, 130), SetSpec("range", True, 64, 128)], splits, "inf", 2)
+        _run_case(case, device, "triton")
+    assert math.isfinite(1.0)
