@@ -150,15 +150,15 @@ class KVCacheManager:
                 f"request {req_id!r} needs {need} more blocks to reach {num_tokens} tokens, "
                 f"only {self.pool.num_free} of {self.pool.num_blocks} free"
             )
-        ids = self.pool.take(need)
+        ids = iter(self.pool.take(need))
         tables = self._tables[req_id]
         for g in self.groups:
             table = tables[g.name]
             want = cdiv(num_tokens, g.tokens_per_block)
             lo = self._first_live_col(g, self._num_computed[req_id])
             while len(table) < want:
-                table.append(ids.pop() if len(table) >= lo else NULL_BLOCK)
-        assert not ids
+                table.append(next(ids) if len(table) >= lo else NULL_BLOCK)
+        assert next(ids, None) is None
         self._num_tokens[req_id] = num_tokens
 
     def advance(self, req_id: Hashable, num_computed: int) -> int:

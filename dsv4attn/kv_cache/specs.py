@@ -83,15 +83,15 @@ class CacheConfig:
     def from_hf(cls, hf_config: object, kv_cache_dtype: KVCacheDtype = "fp8_ds_mla") -> "CacheConfig":
         """Build from a HF ``DeepseekV4Config`` (or any object/dict with the same field names).
 
-        Reads ``compress_ratios`` (or ``layer_types``), ``head_dim``, ``qk_rope_head_dim``,
-        ``index_head_dim``, ``sliding_window``.
+        Reads ``compress_ratios`` (or ``layer_types`` mapped through ``compress_rates``),
+        ``head_dim``, ``qk_rope_head_dim``, ``index_head_dim``, ``sliding_window``.
         """
         get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
         ratios = get("compress_ratios")
         if ratios is None:
-            names = {"sliding_attention": 1, "compressed_sparse_attention": 4,
-                     "heavily_compressed_attention": 128}
-            ratios = [names[t] for t in get("layer_types")]
+            rates = {"sliding_attention": 1, "compressed_sparse_attention": 4,
+                     "heavily_compressed_attention": 128, **(get("compress_rates") or {})}
+            ratios = [rates[t] for t in get("layer_types")]
         return cls(
             compress_ratios=tuple(ratios),
             head_dim=get("head_dim", 512),

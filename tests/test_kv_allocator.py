@@ -1,0 +1,144 @@
+"""Block allocator: hypothesis interleavings of add / grow / advance / free over many requests
+checked against a naive model of what each table must hold."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4attn.kv_cache.accounting import blocks_held, manager_bytes, request_footprint
+from dsv4attn.kv_cache.allocator import NULL_BLOCK, KVCacheManager, PoolExhaustedError, sliding_blocks_bound
+from dsv4attn.kv_cache.specs import CacheConfig, GroupSpec, cache_groups
+
+GROUPS = [
+    GroupSpec("full", "full", tokens_per_block=8),
+    GroupSpec("swa", "sliding", tokens_per_block=4, window=8),
+    GroupSpec("state", "sliding", tokens_per_block=2, window=3),
+    GroupSpec("wide", "sliding", tokens_per_block=4, window=16),
+]
+
+
+def snapshot(m: KVCacheManager):
+    return (copy.deepcopy(m._tables), dict(m._num_tokens), dict(m._num_computed), sorted(m.pool._free))
+
+
+def check_invariants(m: KVCacheManager) -> None:
+    owned = []
+    for r in m.requests:
+        n, c = m.num_tokens(r), m.num_computed(r)
+        for g in m.groups:
+            table = m.block_ids(r, g.name)
+            assert len(table) == -(-n // g.tokens_per_block)
+            first = 0 if g.kind == "full" else max(0, c - g.window + 1) // g.tokens_per_block
+            # Exactly the still-visible columns hold blocks; freed columns keep their place.
+            assert [b != NULL_BLOCK for b in table] == [i >= first for i in range(len(table))]
+            if g.kind == "sliding":
+                assert m.num_held(r, g.name) <= sliding_blocks_bound(g, n - c)
+            assert m.num_held(r, g.name) == blocks_held(g, c, n - c)
+            owned += [b for b in table if b != NULL_BLOCK]
+    free = m.pool._free
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert not set(owned) & set(free), "an owned block is also free"
+    assert len(free) == len(set(free))
+    assert sorted(owned + free) == list(range(m.pool.num_blocks)), "leak"
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "grow", "advance", "free"]), st.integers(0, 7), st.integers(0, 40)),
+    min_size=1, max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_blocks=st.integers(0, 60), program=ops)
+def test_random_interleavings_keep_invariants(num_blocks, program):
+    m = KVCacheManager(GROUPS, num_blocks)
+    for op, req, amount in program:
+        before = snapshot(m)
+        try:
+            if op == "add":
+                if req in m:
+                    with pytest.raises(ValueError):
+                        m.add_request(req, amount)
+                    continue
+                m.add_request(req, amount)
+            elif req not in m:
+                continue
+            elif op == "grow":
+                m.grow(req, m.num_tokens(req) + amount)
+            elif op == "advance":
+                c, n = m.num_computed(req), m.num_tokens(req)
+                m.advance(req, c + (n - c) * amount // 40)
+            else:
+                freed = m.free(req)
+                assert freed == sum(1 for g in before[0][req].values() for b in g if b != NULL_BLOCK)
+        except PoolExhaustedError:
+            assert snapshot(m) == before, "a failed allocation changed state"
+            need = m.blocks_needed(req if req in m else None, (m.num_tokens(req) if req in m else 0) + amount)
+            assert need > m.pool.num_free
+        check_invariants(m)
+    for r in m.requests:
+        m.free(r)
+    assert m.pool.num_free == num_blocks
+
+
+def test_sliding_window_releases_and_keeps_columns():
+    m = KVCacheManager([GroupSpec("swa", "sliding", tokens_per_block=64, window=128)], 10)
+    m.add_request("a", 300)  # columns 0..4
+    assert m.block_ids("a", "swa") == [0, 1, 2, 3, 4]
+    assert m.advance("a", 300) == 2  # next token 300 sees 173..300: columns 2.. remain
+    assert m.block_ids("a", "swa") == [NULL_BLOCK, NULL_BLOCK, 2, 3, 4]
+    m.grow("a", 301)  # still column 4
+    m.advance("a", 301)
+    m.grow("a", 400)  # columns 5, 6 get recycled ids
+    assert m.block_ids("a", "swa")[5:] == [0, 1]
+    bt = m.block_table(["a"], "swa", width=9)
+    assert bt.dtype == torch.int32 and bt.tolist() == [[-1, -1, 2, 3, 4, 0, 1, -1, -1]]
+    with pytest.raises(ValueError, match="width"):
+        m.block_table(["a"], "swa", width=3)
+    assert m.free("a") == 5 and m.pool.num_free == 10
+
+
+def test_exhaustion_is_all_or_nothing_across_groups():
+    m = KVCacheManager(GROUPS, 12)
+    m.add_request("a", 8)  # full 1 + swa 2 + state 4 + wide 2 = 9 blocks
+    held = m.num_held("a")
+    assert held == 9
+    with pytest.raises(PoolExhaustedError, match="needs"):
+        m.add_request("b", 5)  # 1 + 2 + 3 + 2 = 8 > 3 free, although "full" alone would fit
+    assert "b" not in m and m.pool.num_free == 12 - held
+    with pytest.raises(PoolExhaustedError):
+        m.grow("a", 64)
+    assert m.num_tokens("a") == 8 and m.num_held("a") == held
+
+
+def test_bad_calls():
+    m = KVCacheManager(GROUPS, 8)
+    m.add_request("a", 4)
+    with pytest.raises(ValueError):
+        m.grow("a", 3)
+    with pytest.raises(ValueError):
+        m.advance("a", 5)
+    with pytest.raises(KeyError):
+        m.free("zz")
+    with pytest.raises(ValueError, match="group"):
+        m.block_ids("a", "nope")
+    with pytest.raises(ValueError):
+        KVCacheManager([GroupSpec("s", "sliding", 4, None)], 4)
+
+
+def test_manager_matches_accounting_for_a_model():
+    """A small C4A/C128A model: the manager's held bytes equal request_footprint's."""
+    cfg = CacheConfig(compress_ratios=(0, 4, 128, 4), head_dim=128, rope_dim=64, index_head_dim=32)
+    groups = cache_groups(cfg)
+    assert [g.name for g in groups] == ["full_mla", "swa", "c4_state", "c128_state"]
+    m = KVCacheManager(groups, 10_000)
+    for n in (1, 7, 129, 1000, 4097):
+        m.add_request(n, n)
+        m.advance(n, n)
+        fp = request_footprint(cfg, n)
+        assert manager_bytes(m, n) == {g.group: g.bytes for g in fp.groups}
