@@ -1,0 +1,184 @@
+"""FlashMLA-compatible entry points (sparse mode) mapped onto :func:`sparse_mla_attention`.
+
+Same arguments, shapes and semantics as the FlashMLA Python API's sparse paths, so code written
+against ``flash_mla`` can switch by changing the import:
+
+* :func:`get_mla_metadata` returns ``(FlashMLASchedMeta(), None)`` like FlashMLA's; our kernels
+  need no scheduler metadata, so the object is a placeholder that only records the first
+  call's shapes (FlashMLA's rule that one metadata object serves one shape is checked).
+* :func:`flash_mla_with_kvcache`: sparse decode over fp8_ds_mla paged caches (``indices``
+  required; dense mode raises). ``lse`` is natural-log, ``(batch, num_heads, seq_len_q)``.
+* :func:`flash_mla_sparse_fwd`: sparse attention over a flat bf16 ``kv``; returns
+  ``(out, max_logits, lse)`` (natural log; empty rows: out 0, max_logits -inf, lse +inf).
+
+Each takes an extra keyword-only ``impl`` ("auto" | "triton" | "reference").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4attn._checks import check_tensor
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import _forward
+
+
+@dataclass
+class FlashMLASchedMeta:
+    """Placeholder of FlashMLA's tile-scheduler metadata (our kernels schedule themselves).
+
+    ``config`` records ``(batch, seq_len_q, num_heads, block_size, topk, extra_block_size,
+    extra_topk)`` of the first call it is used with; later calls with other shapes raise, as
+    FlashMLA requires one metadata object per shape.
+    """
+
+    have_initialized: bool = False
+    config: tuple | None = field(default=None)
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    """Return ``(FlashMLASchedMeta(), None)``; arguments are accepted and ignored (as FlashMLA)."""
+    return FlashMLASchedMeta(), None
+
+
+def _lengths(name: str, topk_length: torch.Tensor | None, batch: int, s_q: int, topk: int, device) -> torch.Tensor:
+    """Per-token lengths ``[batch * s_q]`` int32 from a per-batch ``topk_length`` (or full)."""
+    if topk_length is None:
+        return torch.full((batch * s_q,), topk, dtype=torch.int32, device=device)
+    check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
+    return topk_length.repeat_interleave(s_q) if s_q > 1 else topk_length
+
+
+def _paged_set(name: str, cache: torch.Tensor, indices: torch.Tensor | None, lengths_arg, batch: int, s_q: int,
+               is_fp8: bool, device) -> CandidateSet:
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[2] != 1:
+        shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise ValueError(f"{name} must be (num_blocks, block_size, 1, bytes_or_dim), got {shape}")
+    if is_fp8 != (cache.dtype == torch.uint8):
+        raise TypeError(f"{name} dtype {cache.dtype} does not match is_fp8_kvcache={is_fp8}")
+    check_tensor(f"{name} indices", indices, dtype=torch.int32, ndim=3, device=device)
+    if indices.shape[:2] != (batch, s_q):
+        raise ValueError(f"{name} indices must be (batch={batch}, seq_len_q={s_q}, topk), got {tuple(indices.shape)}")
+    topk = indices.shape[2]
+    lens_name = "topk_length" if name == "k_cache" else "extra_topk_length"
+    lengths = _lengths(lens_name, lengths_arg, batch, s_q, topk, device)
+    return CandidateSet(cache=cache[:, :, 0, :], lengths=lengths, indices=indices.reshape(batch * s_q, topk))
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse decode, FlashMLA's signature. q ``(batch, seq_len_q, num_heads, head_dim)`` bf16;
+    k_cache ``(num_blocks, block_size, 1, 584)`` uint8 fp8_ds_mla (``unsqueeze`` of the padded
+    view; ``is_fp8_kvcache=False`` accepts bf16 pages ``(..., 1, head_dim)``); indices
+    ``(batch, seq_len_q, topk)`` int32 global slots (-1 = hole); ``topk_length (batch,)``
+    int32 limits each row (None = full); the ``extra_*`` set is a second cache attended in the
+    same softmax; ``attn_sink (num_heads,)`` fp32. ``block_table``/``cache_seqlens`` are unused.
+
+    Returns ``out (batch, seq_len_q, num_heads, head_dim_v)`` bf16 and ``lse (batch, num_heads,
+    seq_len_q)`` fp32 (natural log, +inf for rows without a valid candidate; the sink does not
+    change lse). Dense mode (``indices=None``) and ``causal=True`` raise ``ValueError``.
+    """
+    if indices is None:
+        raise ValueError("flash_mla_with_kvcache: only sparse mode (indices given) is implemented; "
+                         "dense paged MLA is not part of dsv4attn")
+    if causal:
+        raise ValueError("causal must be False in sparse mode")
+    if num_splits is not None:
+        raise ValueError("num_splits must be None (FlashMLA's interface keeps it as a placeholder)")
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError("tile_scheduler_metadata must come from dsv4attn.get_mla_metadata()")
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=4)
+    batch, s_q, num_heads, head_dim = q.shape
+    if not isinstance(head_dim_v, int) or not 0 < head_dim_v <= head_dim:
+        raise ValueError(f"head_dim_v must be an int in 1..{head_dim}, got {head_dim_v!r}")
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        raise ValueError("extra_k_cache and extra_indices_in_kvcache must be given together")
+    device = q.device
+    sets = [_paged_set("k_cache", k_cache, indices, topk_length, batch, s_q, is_fp8_kvcache, device)]
+    if extra_k_cache is not None:
+        sets.append(_paged_set("extra_k_cache", extra_k_cache, extra_indices_in_kvcache, extra_topk_length, batch,
+                               s_q, is_fp8_kvcache, device))
+    elif extra_topk_length is not None:
+        raise ValueError("extra_topk_length given without extra_k_cache")
+    config = (batch, s_q, num_heads, k_cache.shape[1], indices.shape[-1],
+              None if extra_k_cache is None else extra_k_cache.shape[1],
+              None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1])
+    meta = tile_scheduler_metadata
+    if meta.have_initialized and meta.config != config:
+        raise ValueError(f"tile_scheduler_metadata was first used with shapes {meta.config}, now {config}; "
+                         "use one get_mla_metadata() object per shape")
+    meta.have_initialized, meta.config = True, config
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    out, lse, _ = _forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink, None, impl, None,
+                           want_max=False)
+    out = out.view(batch, s_q, num_heads, head_dim)[..., :head_dim_v]
+    return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    indexer_topk: int = 0,
+    *,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse attention over a flat KV, FlashMLA's signature. q ``[s_q, num_heads, d_qk]`` bf16;
+    kv ``[s_kv, 1, d_qk]`` bf16; indices ``[s_q, 1, topk]`` int32 (invalid: -1 or >= s_kv);
+    ``topk_length [s_q]`` int32 (None = full); ``attn_sink [num_heads]`` fp32.
+
+    Returns ``out [s_q, num_heads, d_v]`` bf16 (the first ``d_v`` dims of ``sum p_j kv_j``,
+    sink applied), ``max_logits [s_q, num_heads]`` fp32 (scaled; -inf for empty rows) and
+    ``lse [s_q, num_heads]`` fp32 (natural log; +inf for empty rows). ``indexer_topk`` must be 0.
+    """
+    if indexer_topk != 0:
+        raise ValueError(f"indexer_topk must be 0 (the indexer-lse output is not implemented), got {indexer_topk!r}")
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    s_q, num_heads, d_qk = q.shape
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=3, device=q.device)
+    if kv.shape[1] != 1 or kv.shape[2] != d_qk:
+        raise ValueError(f"kv must be [s_kv, 1, d_qk={d_qk}], got {tuple(kv.shape)}")
+    if kv.shape[0] == 0:
+        raise ValueError("kv must hold at least one row")
+    check_tensor("indices", indices, dtype=torch.int32, ndim=3, device=q.device)
+    if indices.shape[:2] != (s_q, 1):
+        raise ValueError(f"indices must be [s_q={s_q}, 1, topk], got {tuple(indices.shape)}")
+    if not isinstance(d_v, int) or not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be an int in 1..{d_qk}, got {d_v!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise TypeError(f"sm_scale must be a finite float, got {sm_scale!r}")
+    topk = indices.shape[2]
+    if topk_length is None:
+        lengths = torch.full((s_q,), topk, dtype=torch.int32, device=q.device)
+    else:
+        check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(s_q,), device=q.device)
+        lengths = topk_length
+    # kv as bf16 pages of one entry each: slot = row, capacity = s_kv (>= s_kv is invalid).
+    cset = CandidateSet(cache=kv, lengths=lengths, indices=indices[:, 0, :])
+    out, lse, max_logits = _forward(q, [cset], float(sm_scale), attn_sink, None, impl, 1, want_max=True)
+    return out[..., :d_v], max_logits, lse
