@@ -25,7 +25,7 @@ from dsv4attn.ops.metadata import (
 
 POISON = -7
 IMPLS = ["reference", "triton"]
-EXAMPLES = {"reference": 150, "triton": 40}
+EXAMPLES = {"reference": 300, "triton": 60}
 HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
