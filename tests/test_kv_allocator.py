@@ -53,7 +53,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(0, 60), program=ops)
 def test_random_interleavings_keep_invariants(num_blocks, program):
     m = KVCacheManager(GROUPS, num_blocks)

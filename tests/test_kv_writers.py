@@ -8,15 +8,20 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4attn.kernels.cache_ops import _page_offset
+from dsv4attn.kv_cache.allocator import NULL_BLOCK, KVCacheManager
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
     alloc_fp8_ds_mla_cache,
     dequantize_fp8_ds_mla,
     encode_pages,
     pages_of,
+    quantize_fp8_ds_mla,
 )
+from dsv4attn.kv_cache.specs import CacheConfig, cache_groups
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
 from dsv4attn.reference.cache_ops import (
     alloc_indexer_k_cache,
@@ -65,6 +70,8 @@ def test_insert_fp8_poisoned_pages(impl, nope, rope, bs, num_blocks, dtype, devi
     n = min(13, num_blocks * bs)
     x = tokens(n, layout.head_dim, dtype, seed=bs)
     slots = random_slots(n, num_blocks * bs, holes=3, seed=nope + bs)
+    if dtype == torch.bfloat16:
+        slots = slots.to(torch.int32)
     cache = alloc_fp8_ds_mla_cache(num_blocks, bs, layout, device=device, fill=POISON)
     insert_kv(x.to(device), slots.to(device), cache, layout=layout, impl=impl)
     pages = pages_of(cache, layout).cpu()
@@ -336,3 +343,55 @@ def test_insert_past_int32_byte_offsets_on_gpu():
     insert_kv(x[:1], torch.tensor([bs - 1], device="cuda"), ref, impl="reference")
     assert torch.equal(pages_of(cache)[nb - 1], pages_of(ref)[0])
     assert torch.all(pages_of(cache)[: nb - 2] == POISON)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    bs=st.integers(1, 9),
+    num_blocks=st.integers(1, 5),
+    data=st.data(),
+)
+def test_triton_equals_reference_random_geometry(bs, num_blocks, data):
+    """Awkward block sizes / token counts / hole patterns: both paths write the same bytes."""
+    cap = bs * num_blocks
+    n = data.draw(st.integers(0, cap))
+    holes = data.draw(st.integers(0, n))
+    seed = data.draw(st.integers(0, 2**16))
+    x = tokens(n, 160, torch.float32, seed=seed)
+    slots = random_slots(n, cap, holes, seed).to(torch.int32)
+    layout = FP8DSMLALayout(128, 32)
+    out = []
+    for impl in IMPLS:
+        cache = alloc_fp8_ds_mla_cache(num_blocks, bs, layout, fill=POISON)
+        insert_kv(x, slots, cache, layout=layout, impl=impl)
+        out.append(pages_of(cache, layout))
+    assert torch.equal(out[0], out[1])
+
+
+def test_allocator_slots_round_trip_through_writer_and_block_table(device):
+    """Slots built from a request's block tables (SWA with freed -1 columns, C128A compressed
+    entries at column e // 2) write entries that read back by the same mapping."""
+    cfg = CacheConfig(compress_ratios=(128,))
+    groups = cache_groups(cfg)
+    m = KVCacheManager(groups, 64)
+    m.add_request("r", 300)
+    m.advance("r", 300)
+    m.grow("r", 520)  # a 220-token chunk at positions 300..519
+    pos = torch.arange(300, 520)
+    swa = torch.tensor(m.block_ids("r", "swa"))
+    assert swa[0] == NULL_BLOCK and swa[1] == NULL_BLOCK  # positions < 173 were released
+    swa_slots = swa[pos // 64] * 64 + pos % 64
+    mla = torch.tensor(m.block_ids("r", "full_mla"))
+    done = (pos + 1) % 128 == 0  # tokens that complete a compressed entry (383 and 511)
+    c = pos // 128
+    comp_slots = torch.where(done, mla[c // 2] * 2 + c % 2, torch.full_like(c, -1))
+    x = tokens(220, 512, torch.bfloat16, seed=9)
+    swa_cache = alloc_fp8_ds_mla_cache(64, 64, device=device, fill=POISON)
+    comp_cache = alloc_fp8_ds_mla_cache(64, 2, device=device, fill=POISON)
+    insert_kv(x.to(device), swa_slots.to(device), swa_cache, impl="triton")
+    insert_kv(x.to(device), comp_slots.to(device), comp_cache, impl="triton")
+    want = dequantize_fp8_ds_mla(quantize_fp8_ds_mla(x.reshape(1, 220, 512))).reshape(220, 512)
+    got = dequantize_fp8_ds_mla(swa_cache).cpu().reshape(-1, 512)[swa_slots]
+    assert torch.equal(got, want)
+    got_c = dequantize_fp8_ds_mla(comp_cache).cpu().reshape(-1, 512)[comp_slots[done]]
+    assert torch.equal(got_c, want[done])

@@ -9,7 +9,8 @@ Slot semantics everywhere: ``slot = block_id * block_size + offset``; ``-1`` (an
 the kernels) writes nothing. ``validate_slots=True`` (default) checks ``-1 <= slot <
 num_blocks * block_size`` on the host before launching (one device sync); pass ``False`` under
 CUDA-graph capture, where out-of-range slots are then skipped by the kernels instead.
-Only the bytes of the addressed entries change: page padding is never written.
+Only the bytes of the addressed entries change: page padding is never written. Two tokens of
+one call with the same valid slot leave that slot holding one of them (unspecified which).
 """
 
 from __future__ import annotations
