@@ -1,0 +1,167 @@
+"""Benchmark of sparse MLA attention (fp8_ds_mla pages) for the cases of docs/performance.md.
+
+Cases: decode B = 64/256/1024 x h = 64/128 at 512 (C4A top-k, indices form) + 128 (SWA, range
+form) candidates; C128A at 64K (512 entries) and 1M (8192 entries) contexts (range form) + SWA;
+prefill 4096 tokens of one request with 512 + 128. Floor = max(bytes / copy, flops / mma) with
+bytes per token N*584 + N*4 + Q + O + LSE (decode: nothing shared between tokens; prefill: the
+unique KV bytes, i.e. perfect reuse) and flops 2*h*N*(512+512).
+
+    python -m benchmarks.bench_sparse_attn            # H200: full table (< 2 minutes)
+    python -m benchmarks.bench_sparse_attn --sweep    # + tile-config sweep for decode h64 B256
+    python -m benchmarks.bench_sparse_attn --smoke    # tiny, runs on CPU (reference path)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
+from dsv4attn.kv_cache.layout import fp8_ds_mla_view
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, sparse_mla_attention
+
+D = LAYOUT.head_dim  # 512
+SCALE = D**-0.5
+SWA_WINDOW = 128
+C4A_BLOCK = 64  # compressed entries per block (256 // 4)
+SWA_BLOCK = 64
+C128A_BLOCK = 2  # 256 // 128
+
+
+def random_cache(num_entries: int, block_size: int, device) -> torch.Tensor:
+    """A valid fp8_ds_mla cache of >= num_entries entries (random e4m3 without NaN codes,
+    scale bytes 2^-7, random bf16 RoPE), built directly in page bytes."""
+    num_blocks = -(-num_entries // block_size)
+    page = LAYOUT.page_bytes(block_size)
+    pages = torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8, device=device)
+    pages[(pages & 0x7F) == 0x7F] = 0
+    data = pages[:, : block_size * LAYOUT.data_bytes].view(num_blocks, block_size, LAYOUT.data_bytes)
+    rope = torch.randn(num_blocks, block_size, LAYOUT.rope_dim, device=device).to(torch.bfloat16)
+    data[..., LAYOUT.nope_dim :] = rope.view(torch.uint8)
+    off = LAYOUT.scale_offset(block_size)
+    pages[:, off : off + block_size * LAYOUT.scale_bytes] = 120
+    return fp8_ds_mla_view(pages.reshape(-1), num_blocks, block_size, LAYOUT)
+
+
+def per_request_range(num_tokens: int, entries: int, block_size: int, device, starts=None, lengths=None):
+    """Range-form set: every token its own request holding ``entries`` entries (permuted blocks)."""
+    nbr = -(-entries // block_size)
+    cache = random_cache(num_tokens * nbr * block_size, block_size, device)
+    bt = torch.randperm(num_tokens * nbr, device=device).to(torch.int32).view(num_tokens, nbr)
+    i32 = dict(dtype=torch.int32, device=device)
+    return CandidateSet(cache=cache, lengths=torch.full((num_tokens,), entries, **i32) if lengths is None else lengths,
+                        block_table=bt, token_to_req=torch.arange(num_tokens, **i32),
+                        starts=torch.zeros(num_tokens, **i32) if starts is None else starts)
+
+
+def disjoint_indices(num_tokens: int, topk: int, device) -> CandidateSet:
+    """Indices-form set: token t's top-k are disjoint from every other token's (perf.md)."""
+    cache = random_cache(num_tokens * topk, C4A_BLOCK, device)
+    idx = torch.randperm(num_tokens * topk, device=device).to(torch.int32).view(num_tokens, topk)
+    return CandidateSet(cache=cache, lengths=torch.full((num_tokens,), topk, dtype=torch.int32, device=device),
+                        indices=idx)
+
+
+def decode_bytes(num_tokens: int, num_heads: int, n: int, unique_kv_entries: int | None = None) -> float:
+    kv = (unique_kv_entries if unique_kv_entries is not None else num_tokens * n) * LAYOUT.entry_bytes
+    return kv + num_tokens * (n * 4 + 2 * num_heads * D * 2 + num_heads * 4)
+
+
+def flops(num_tokens: int, num_heads: int, n: int) -> float:
+    return 2.0 * num_heads * n * (D + D) * num_tokens
+
+
+def run_case(name, q, sets, n, rows, unique=None, impl="auto", sink=True):
+    num_tokens, num_heads, _ = q.shape
+    attn_sink = torch.zeros(num_heads, device=q.device) if sink else None
+    us = median_us(lambda: sparse_mla_attention(q, sets, SCALE, attn_sink, impl=impl))
+    rows.append(Row(name, us, flops(num_tokens, num_heads, n), decode_bytes(num_tokens, num_heads, n, unique),
+                    {"impl": impl}))
+
+
+def prefill_sets(num_tokens: int, context: int, topk: int, device):
+    """One request, query positions context-num_tokens .. context-1: SWA range (window 128) +
+    C4A top-k (indices form, random among the (p+1)//4 complete compressed entries)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    pos = torch.arange(context - num_tokens, context, device=device)
+    swa_cols = -(-context // SWA_BLOCK)
+    swa_cache = random_cache(swa_cols * SWA_BLOCK, SWA_BLOCK, device)
+    swa = CandidateSet(cache=swa_cache, lengths=torch.clamp(pos + 1, max=SWA_WINDOW).to(**i32),
+                       block_table=torch.randperm(swa_cols, device=device).to(torch.int32)[None],
+                       token_to_req=torch.zeros(num_tokens, **i32),
+                       starts=torch.clamp(pos - SWA_WINDOW + 1, min=0).to(**i32))
+    n_comp = context // 4
+    c4a_cache = random_cache(n_comp, C4A_BLOCK, device)
+    local = torch.rand(num_tokens, n_comp, device=device).argsort(dim=1)[:, :topk]
+    local = torch.minimum(local, ((pos + 1) // 4 - 1)[:, None].clamp(min=0))
+    perm = torch.randperm(-(-n_comp // C4A_BLOCK), device=device)
+    idx = (perm[local // C4A_BLOCK] * C4A_BLOCK + local % C4A_BLOCK).to(torch.int32)
+    c4a = CandidateSet(cache=c4a_cache, lengths=torch.full((num_tokens,), topk, **i32), indices=idx)
+    unique = n_comp + swa_cols * SWA_BLOCK
+    return [c4a, swa], unique
+
+
+def sweep(q, sets, rows):
+    """Time a few tile configs of the decode kernel (for tuning on the GPU)."""
+    num_tokens, num_heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(num_tokens, num_heads, device=q.device)
+    sink = torch.zeros(num_heads, device=q.device)
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                for splits in (1, 2):
+                    cfg = KernelConfig(min(64, num_heads), block_n, splits, warps, stages)
+                    try:
+                        us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
+                                       warmup_ms=5, rep_ms=20)
+                    except Exception as e:  # noqa: BLE001 - report configs that fail to compile
+                        print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:80]}")
+                        continue
+                    rows.append(Row(f"sweep h{num_heads} B{num_tokens} n{block_n} w{warps} s{stages} k{splits}", us,
+                                    flops(num_tokens, num_heads, 640), decode_bytes(num_tokens, num_heads, 640)))
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true", help="also sweep tile configs for decode h64 B256")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    ceil = Ceilings.measure() if cuda and not args.no_ceilings else Ceilings()
+    torch.manual_seed(0)
+    rows: list[Row] = []
+    batches = (64, 256, 1024) if not args.smoke else (2,)
+    heads = (64, 128) if not args.smoke else (4,)
+    topk, ctx_1m, ctx_64k = (512, 8192, 512) if not args.smoke else (64, 96, 32)
+    for h in heads:
+        for b in batches:
+            q = torch.randn(b, h, D, device=device).to(torch.bfloat16)
+            sets = [disjoint_indices(b, topk, device), per_request_range(b, SWA_WINDOW, SWA_BLOCK, device)]
+            run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows)
+            if args.sweep and h == 64 and b == 256:
+                sweep(q, sets, rows)
+            if h == heads[0] and b == batches[0]:
+                run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows,
+                         impl="reference")
+            del sets
+    for h in heads:
+        for b in batches[:2]:
+            for label, n in (("64K", ctx_64k), ("1M", ctx_1m)):
+                q = torch.randn(b, h, D, device=device).to(torch.bfloat16)
+                sets = [per_request_range(b, n, C128A_BLOCK, device), per_request_range(b, SWA_WINDOW, SWA_BLOCK, device)]
+                run_case(f"decode C128A@{label} {n}+{SWA_WINDOW} h{h} B{b}", q, sets, n + SWA_WINDOW, rows)
+                del sets
+    num_tokens, context = (4096, 65536) if not args.smoke else (8, 256)
+    for h in heads:
+        q = torch.randn(num_tokens, h, D, device=device).to(torch.bfloat16)
+        sets, unique = prefill_sets(num_tokens, context, topk, device)
+        run_case(f"prefill {num_tokens} tok C4A {topk}+{SWA_WINDOW} h{h} @{context}", q, sets, topk + SWA_WINDOW,
+                 rows, unique=unique)
+        del sets
+    print_table("sparse MLA attention (fp8_ds_mla, sink)", rows, ceil)
+
+
+if __name__ == "__main__":
+    main()
