@@ -291,6 +291,10 @@ def test_bad_inputs_raise_before_launch():
         insert_kv(torch.zeros(512, 3).t(), s, cache)
     with pytest.raises(ValueError, match="impl"):
         insert_kv(x, s, cache, impl="cuda")
+    with pytest.raises(TypeError, match="cache"):
+        insert_kv(x, s, None)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        insert_kv(x, [0, 1, 2], cache)
     icache = alloc_indexer_k_cache(2, 4)
     with pytest.raises(ValueError, match="cache"):
         insert_indexer_k(torch.zeros(3, 64), s, icache)

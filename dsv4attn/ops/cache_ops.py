@@ -93,6 +93,8 @@ def insert_kv(
     Non-finite inputs give unspecified bytes in their own slot only.
     """
     check_tensor("kv", kv, dtype=_FLOAT_INPUTS, ndim=2)
+    check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
+    check_tensor("cache", cache)
     device = same_device(kv=kv, slot_mapping=slot_mapping, cache=cache)
     num_tokens, head_dim = kv.shape
     if kv.stride(1) != 1:
@@ -152,6 +154,8 @@ def insert_indexer_k(
     bf16/fp32 rows.
     """
     check_tensor("k", k, dtype=_FLOAT_INPUTS, ndim=2)
+    check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
+    check_tensor("cache", cache)
     device = same_device(k=k, slot_mapping=slot_mapping, cache=cache)
     num_tokens, dim = k.shape
     if k.stride(1) != 1:
@@ -211,6 +215,7 @@ def write_compressor_state(
     check_tensor("ape", ape, dtype=torch.float32, shape=(None, width))
     check_tensor("positions", positions, dtype=_SLOT_DTYPES, shape=(num_tokens,))
     check_tensor("state_cache", state_cache, dtype=torch.float32, ndim=3)
+    check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     device = same_device(kv=kv, score=score, ape=ape, positions=positions, slot_mapping=slot_mapping,
                          state_cache=state_cache)
     if ape.shape[0] < 1:
