@@ -202,7 +202,8 @@ class BatchMetadata:
         unknown = set(block_tables) - set(GROUPS)
         if unknown:
             raise ValueError(f"block_tables has unknown groups {sorted(unknown)}; known: {GROUPS}")
-        dev = torch.device(device) if device is not None else block_tables[GROUP_SWA].device
+        # canonical device (cuda -> cuda:N) so comparisons with tensors' devices hold
+        dev = torch.empty(0, device=device).device if device is not None else block_tables[GROUP_SWA].device
         for name, bt in block_tables.items():
             check_tensor(f"block_tables[{name!r}]", bt, dtype=torch.int32, ndim=2, device=dev)
             if bt.shape[0] < num_reqs:

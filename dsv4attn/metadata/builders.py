@@ -180,8 +180,11 @@ class StepMetadataBuilder:
     """Owns every group's persistent buffers; ``build(batch)`` once per step (see module doc)."""
 
     def __init__(self, config: MetadataConfig, device: torch.device | str = "cpu") -> None:
+        if not isinstance(config, MetadataConfig):
+            raise TypeError(f"config must be a MetadataConfig, got {type(config).__name__}")
         self.config = c = config
-        self.device = dev = torch.device(device)
+        # canonical device (cuda -> cuda:N) so comparisons with tensors' devices hold
+        self.device = dev = torch.empty(0, device=device).device
         mt, i32 = c.max_num_batched_tokens, torch.int32
         self.token_to_req = torch.zeros(mt, dtype=i32, device=dev)
         self.is_valid_token = torch.zeros(mt, dtype=torch.bool, device=dev)
