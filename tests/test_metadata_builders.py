@@ -215,3 +215,20 @@ def test_config_rejects(kw, match):
     base = dict(max_num_batched_tokens=8, max_num_reqs=2, max_model_len=1024, num_blocks=10)
     with pytest.raises(ValueError, match=match):
         MetadataConfig(**(base | kw))
+
+
+def test_bytes_follow_real_context_not_max_model_len():
+    """max_model_len 1M: the engine form writes 8192 int32 per C128A row whatever the context;
+    the real-context form writes round_up(n, 128) and the range form one length per token."""
+    from dsv4attn.metadata import metadata_bytes_written
+
+    cfg = MetadataConfig(max_num_batched_tokens=8192, max_num_reqs=64, max_model_len=1 << 20, num_blocks=1 << 30)
+    tabs = {g: torch.zeros(64, 1, dtype=torch.int32) for g in ("swa", "c4", "c128")}
+    batch = BatchMetadata.from_requests([1] * 64, [8192] * 64, tabs, torch.zeros(64, dtype=torch.int64))
+    full = metadata_bytes_written(batch, cfg, "full")
+    real = metadata_bytes_written(batch, cfg, "real")
+    rng = metadata_bytes_written(batch, cfg, "range")
+    assert full["c128.topk_rows"] == 64 * 8192 * 4
+    assert real["c128.topk_rows"] == 64 * 128 * 4  # n = 64 entries -> one 128-wide aligned chunk
+    assert rng["c128.lengths"] == 64 * 4 and "c128.topk_rows" not in rng
+    assert sum(full.values()) > 20 * sum(real.values()) > 20 * sum(rng.values())
