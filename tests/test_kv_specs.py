@@ -4,6 +4,7 @@ groups of V4-Flash, small-config scaling and the 1M-token footprint."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsv4attn.kv_cache.accounting import (
     DENSE_BF16_BYTES,
@@ -105,3 +106,28 @@ def test_v4_flash_footprint_at_1m():
     assert fp.total_bytes < dense_mla_bytes(43, n) / 6
     assert dense_mla_bytes(43, n, DENSE_BF16_BYTES) == 43 * n * 1024
     assert "dense MLA bf16" in footprint_table(cfg)
+
+
+def test_allocate_matches_writer_views():
+    """Every spec allocates the view its writer expects (padded block stride included)."""
+    from dsv4attn.kv_cache.layout import check_fp8_ds_mla_cache, layout_for_head_dim
+    from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
+
+    for dtype in ("fp8_ds_mla", "auto"):
+        cfg = CacheConfig(compress_ratios=(4, 128), kv_cache_dtype=dtype)
+        for layer in range(2):
+            for spec in layer_cache_specs(cfg, layer):
+                t = spec.allocate(3, fill=0)
+                assert t.shape == (3, spec.block_size, *spec.row_shape)
+                assert t.stride(0) * t.element_size() == spec.page_bytes
+                slots = torch.tensor([0, 3 * spec.block_size - 1])
+                if spec.name in ("swa_kv", "compressed_kv"):
+                    if dtype == "fp8_ds_mla":
+                        check_fp8_ds_mla_cache("t", t, layout_for_head_dim(512, 64))
+                    insert_kv(torch.ones(2, 512), slots, t, dtype)
+                elif spec.name == "indexer_k":
+                    insert_indexer_k(torch.ones(2, 128), slots, t, dtype)
+                else:
+                    w = spec.row_shape[0] // 2
+                    write_compressor_state(torch.ones(2, w), torch.ones(2, w), torch.zeros(spec.compress_ratio, w),
+                                           slots, slots, t)

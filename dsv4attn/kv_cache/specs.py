@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from dsv4attn.kv_cache.layout import FP8DSMLALayout, round_up
 
 KVCacheDtype = Literal["fp8_ds_mla", "auto"]
@@ -144,6 +146,20 @@ class CacheSpec:
 
     def bytes_for_blocks(self, num_blocks: int) -> int:
         return num_blocks * self.page_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu", fill: int | float | None = 0) -> torch.Tensor:
+        """A cache tensor for ``num_blocks`` blocks: ``(num_blocks, block_size, *row_shape)`` of
+        ``dtype`` with block stride ``page_bytes`` (padding included). ``fill``: initial byte
+        (uint8 caches) or value (row caches); ``None`` leaves memory uninitialised."""
+        dtype = getattr(torch, self.dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        assert self.page_bytes % item == 0
+        stride = self.page_bytes // item
+        flat = torch.empty(num_blocks * stride, dtype=dtype, device=device)
+        if fill is not None:
+            flat.fill_(fill)
+        row = self.row_shape[0]
+        return flat.as_strided((num_blocks, self.block_size, row), (stride, row, 1))
 
 
 @dataclass(frozen=True)
