@@ -56,30 +56,31 @@ def _load_k(
     """Candidate rows ``[BLOCK_N, D_PAD]`` bf16 (zeros for invalid rows and pad dims)."""
     d = tl.arange(0, D_PAD)
     if IS_FP8:
+        # Work on [BLOCK_N, NT_PAD, TILE]: tile t < NUM_TILES holds NoPE dims 64t..64t+63 (fp8
+        # x UE8M0 scale), tile NUM_TILES holds the RoPE dims (bf16, read once at [BLOCK_N, TILE]),
+        # later tiles are zero padding. The caller guarantees ROPE <= TILE.
+        NT_PAD: tl.constexpr = D_PAD // TILE
+        tt = tl.arange(0, NT_PAD)
+        dd = tl.arange(0, TILE)
+        in_sc = tt < NUM_TILES
         base = blk * stride_blk + off * DATA_BYTES  # int64 byte offset of the entry's data
-        is_nope = d < NOPE
-        is_rope = (d >= NOPE) & (d < HEAD_DIM)
-        dn = tl.where(is_nope, d, 0)
-        b = tl.load(cache_ptr + base[:, None] + dn[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        b = b.to(tl.uint32)
+        nope_off = tl.where(in_sc, tt, 0)[None, :, None] * TILE + dd[None, None, :]
+        m3 = valid[:, None, None] & in_sc[None, :, None]
+        b = tl.load(cache_ptr + base[:, None, None] + nope_off, mask=m3, other=0).to(tl.uint32)
         # e4m3fn -> fp32 exactly: sign to bit 31, exponent+mantissa to bits 20..26, times 2^120.
         f = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
         # UE8M0 tile scales 2^(byte-127) built as fp32 exponent fields (exact for bytes 1..254; the
-        # quantiser never writes 0 or 255); tiles past NUM_TILES (RoPE dims, pad) get 1. Folding
-        # 2^120 into this factor would overflow fp32 for bytes > 134, so it is a separate multiply.
-        NT_PAD: tl.constexpr = D_PAD // TILE
-        tt = tl.arange(0, NT_PAD)
-        in_sc = tt < NUM_TILES
+        # quantiser never writes 0 or 255). Folding 2^120 into this factor would overflow fp32
+        # for bytes > 134, so it stays a separate multiply.
         sc_off = blk * stride_blk + block_size * DATA_BYTES + off * SCALE_BYTES
         sb = tl.load(cache_ptr + sc_off[:, None] + tl.where(in_sc, tt, 0)[None, :],
                      mask=valid[:, None] & in_sc[None, :], other=127).to(tl.uint32)
         sc = (sb << 23).to(tl.float32, bitcast=True)
-        sc = tl.where(in_sc[None, :], sc, 1.0)
-        f = tl.reshape(tl.reshape(f, (BLOCK_N, NT_PAD, TILE)) * sc[:, :, None], (BLOCK_N, D_PAD))
-        dr = tl.where(is_rope, d - NOPE, 0)
-        rp = (cache_ptr + base[:, None] + NOPE + 2 * dr[None, :]).to(tl.pointer_type(tl.bfloat16))
-        r = tl.load(rp, mask=valid[:, None] & is_rope[None, :], other=0.0).to(tl.float32)
-        k = (f + r).to(tl.bfloat16)
+        in_rope = dd < HEAD_DIM - NOPE
+        rp = (cache_ptr + base[:, None] + NOPE + 2 * tl.where(in_rope, dd, 0)[None, :]).to(tl.pointer_type(tl.bfloat16))
+        r = tl.load(rp, mask=valid[:, None] & in_rope[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, TILE]
+        k3 = tl.where((tt == NUM_TILES)[None, :, None], r[:, None, :], f * sc[:, :, None])
+        k = tl.reshape(k3, (BLOCK_N, D_PAD)).to(tl.bfloat16)
     else:
         in_d = d < HEAD_DIM
         ptr = cache_ptr + (blk * stride_blk + off * stride_entry)[:, None] + tl.where(in_d, d, 0)[None, :]

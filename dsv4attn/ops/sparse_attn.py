@@ -115,6 +115,8 @@ def _forward(
     fp8_layouts = {resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets) if s.is_fp8}
     if len(fp8_layouts) > 1:
         raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
+    if any(lay.rope_dim > lay.tile for lay in fp8_layouts):
+        raise ValueError(f"fp8 layouts with rope_dim > 64 are not supported, got {fp8_layouts}")
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(num_heads,), device=device)
     if out is not None:
@@ -184,7 +186,8 @@ def _launch(
     num_tiles = lay.num_tiles if lay else 0
     cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
                                   num_splits)
-    d_pad = max(64, triton.next_power_of_2(head_dim))
+    # fp8 tiles: NoPE tiles + one tile holding the RoPE dims (see _load_k), padded to a power of 2.
+    d_pad = max(64, triton.next_power_of_2(nope + 64 if lay else head_dim))
     a = sets[0]
     b = sets[1] if len(sets) > 1 else sets[0]
     sink = attn_sink if attn_sink is not None else lse
