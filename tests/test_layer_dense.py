@@ -78,3 +78,11 @@ def test_select_topk_ties_lower_index_first(seed):
     assert got.dtype == torch.int32
     torch.testing.assert_close(got, _naive_topk(scores, n_eligible, k))
     assert select_topk(scores[:, :0], n_eligible * 0, k).shape == (T, 0)
+
+
+def test_reference_chunked_run_equals_its_full_run():
+    """The oracle's own premise: HF chunked-with-cache equals its cache-free run in fp32."""
+    for layer_idx in range(3):
+        ref, _ = _pair(layer_idx, seed=9)
+        x = torch.randn(41, 64, generator=torch.Generator().manual_seed(9))
+        _close(hf_oracle.hf_forward(ref, x, [3, 1, 12, 1, 1, 16, 7]), hf_oracle.hf_forward(ref, x))

@@ -66,7 +66,13 @@ class AttentionRunner:
         cfg = layer.config
         self.layer = layer
         self.device = dev = torch.device(device) if device is not None else layer.sinks.device
+        if dev.type == "cuda" and dev.index is None:
+            self.device = dev = torch.device("cuda", torch.cuda.current_device())
+        if layer.sinks.device != dev:
+            raise ValueError(f"layer parameters are on {layer.sinks.device}, runner device is {dev}: move the layer")
         self.dtype = layer.sinks.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"layer dtype must be float32 or bfloat16, got {self.dtype}")
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
