@@ -36,8 +36,9 @@ from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
 from dsv4attn.reference.sparse_attn import candidate_slots, gather_entries
 
-#: Query tokens scored per chunk by the indexer (bounds the [tokens, entries, D_I] gather).
-_INDEXER_TOKENS_PER_CHUNK = 64
+#: Elements of the indexer's per-chunk temporaries ([tokens, entries, max(D_I, H_I)] fp32): the
+#: query tokens scored together are chosen so this bound holds (64 MiB of fp32).
+_INDEXER_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -135,8 +136,9 @@ def indexer_topk(
     bs = caches.indexer_k.shape[1]
     e = torch.arange(n_max, device=positions.device)
     fp8 = caches.kv_cache_dtype == "fp8_ds_mla"
-    for t0 in range(0, T, _INDEXER_TOKENS_PER_CHUNK):
-        rows = slice(t0, min(T, t0 + _INDEXER_TOKENS_PER_CHUNK))
+    per_chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (n_max * max(idx.dim, idx.num_heads)))
+    for t0 in range(0, T, per_chunk):
+        rows = slice(t0, min(T, t0 + per_chunk))
         req = token_to_req[rows].long()[:, None].expand(-1, n_max)
         valid = e[None, :] < eligible[rows, None]
         slot, ok = state_slots(e[None, :].expand_as(req), req, mla_table, bs)
