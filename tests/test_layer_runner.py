@@ -175,3 +175,20 @@ def test_bad_requests_raise_and_leave_others_intact(device):
     out.append(runner.step({"a": a[20:].to(dev)})["a"])
     _close(torch.cat(out), hf_oracle.hf_forward(ref, a))
     assert runner.step({}) == {}
+
+
+@pytest.mark.parametrize("layer_idx,kind,r", KINDS)
+def test_nan_poisoned_pages_are_never_read(layer_idx, kind, r, device):
+    """Every cache starts as NaN: any read of a slot not written for this request shows up."""
+    ref, ours = _layer(layer_idx, seed=7)
+    g = torch.Generator().manual_seed(8)
+    seqs = {"p": torch.randn(140 if kind == "hca" else 30, HIDDEN, generator=g),
+            "q": torch.randn(9, HIDDEN, generator=g)}
+    runner = _runner(ours, device)
+    for name in ("swa", "compressed", "indexer_k", "state", "indexer_state"):
+        t = getattr(runner.caches, name)
+        if t is not None:
+            t.fill_(float("nan"))
+    got = _interleave(runner, seqs, random.Random(3), max(r, 4), max_active=2)
+    for k, x in seqs.items():
+        _close(got[k], hf_oracle.hf_forward(ref, x))
