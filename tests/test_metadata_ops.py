@@ -25,7 +25,13 @@ from dsv4attn.ops.metadata import (
 
 POISON = -7
 IMPLS = ["reference", "triton"]
-EXAMPLES = {"reference": 300, "triton": 60}
+#: (impl, hypothesis examples); the slow sweeps run thousands more batches (``-m slow``).
+CASES = [
+    ("reference", 300),
+    ("triton", 60),
+    pytest.param("reference", 3000, marks=pytest.mark.slow, id="reference-sweep"),
+    pytest.param("triton", 400, marks=pytest.mark.slow, id="triton-sweep"),
+]
 HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
@@ -74,9 +80,9 @@ def poisoned(shape, dtype, device):
 
 
 # ---- get_compressed_slot_mapping ---------------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
-def test_compressed_slot_mapping_property(impl, device):
-    @settings(max_examples=EXAMPLES[impl], deadline=None, suppress_health_check=HC)
+@pytest.mark.parametrize("impl,examples", CASES)
+def test_compressed_slot_mapping_property(impl, examples, device):
+    @settings(max_examples=examples, deadline=None, suppress_health_check=HC)
     @given(
         data=st.data(),
         ratio=st.sampled_from([4, 128, 8]),
@@ -146,10 +152,10 @@ def test_compressed_slot_mapping_cp_matches_vllm_formula(world, rank, il, bs, de
 
 
 # ---- build_c128a_topk_metadata ---------------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,examples", CASES)
 @pytest.mark.parametrize("full_width", [True, False])
-def test_c128a_topk_property(impl, full_width, device):
-    @settings(max_examples=EXAMPLES[impl], deadline=None, suppress_health_check=HC)
+def test_c128a_topk_property(impl, examples, full_width, device):
+    @settings(max_examples=examples, deadline=None, suppress_health_check=HC)
     @given(data=st.data(), ratio=st.sampled_from([4, 128]))
     def run(data, ratio):
         ql, sl, pad = data.draw(batches(ratio=ratio, max_ctx=1000 if ratio == 4 else 3000))
@@ -192,9 +198,9 @@ def test_c128a_topk_property(impl, full_width, device):
 
 
 # ---- SWA indices / ranges --------------------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
-def test_swa_indices_and_ranges_property(impl, device):
-    @settings(max_examples=EXAMPLES[impl], deadline=None, suppress_health_check=HC)
+@pytest.mark.parametrize("impl,examples", CASES)
+def test_swa_indices_and_ranges_property(impl, examples, device):
+    @settings(max_examples=examples, deadline=None, suppress_health_check=HC)
     @given(data=st.data(), window=st.sampled_from([128, 8, 5]), bs=st.sampled_from([64, 4]))
     def run(data, window, bs):
         ql, sl, pad = data.draw(batches(ratio=bs, max_ctx=400))
@@ -226,9 +232,9 @@ def test_swa_indices_and_ranges_property(impl, device):
 
 
 # ---- top-k local -> global; C128A range lengths ---------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
-def test_global_topk_property(impl, device):
-    @settings(max_examples=EXAMPLES[impl], deadline=None, suppress_health_check=HC)
+@pytest.mark.parametrize("impl,examples", CASES)
+def test_global_topk_property(impl, examples, device):
+    @settings(max_examples=examples, deadline=None, suppress_health_check=HC)
     @given(data=st.data(), k=st.sampled_from([1, 7, 64, 130]), bs=st.sampled_from([64, 3]))
     def run(data, k, bs):
         t = data.draw(st.integers(0, 12))
