@@ -69,8 +69,9 @@ def _to_device_fp8(cache: torch.Tensor, layout: FP8DSMLALayout, device) -> torch
 
 
 def build_set(spec: SetSpec, num_tokens: int, token_to_req: list[int], layout: FP8DSMLALayout, gen,
-              device, lengths: list[int] | None = None) -> BuiltSet:
-    """A random set of ``spec`` for ``num_tokens`` tokens; ``lengths`` overrides the random ones."""
+              device, lengths: list[int] | None = None, starts: list[int] | None = None) -> BuiltSet:
+    """A random set of ``spec`` for ``num_tokens`` tokens; ``lengths`` (and, range form,
+    ``starts``) override the random ones."""
     bs = spec.block_size
     r = lambda n: int(torch.randint(0, max(n, 1), (1,), generator=gen))  # noqa: E731
     if lengths is None:
@@ -81,6 +82,9 @@ def build_set(spec: SetSpec, num_tokens: int, token_to_req: list[int], layout: F
     if spec.form == "range":
         num_reqs = max(token_to_req) + 1 if token_to_req else 1
         stream = [spec.width + 5 + r(bs) for _ in range(num_reqs)]
+        if starts is not None:
+            for t in range(num_tokens):
+                stream[token_to_req[t]] = max(stream[token_to_req[t]], starts[t] + lengths[t] + 1)
         need = [math.ceil(n / bs) for n in stream]
         num_blocks = sum(need) + 3
         perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -91,7 +95,8 @@ def build_set(spec: SetSpec, num_tokens: int, token_to_req: list[int], layout: F
         for q_, n in enumerate(need):
             bt[q_, :n] = torch.tensor(perm[p : p + n], **i32)
             p += n
-        starts = [r(stream[token_to_req[t]] - lengths[t] + 1) for t in range(num_tokens)]
+        if starts is None:
+            starts = [r(stream[token_to_req[t]] - lengths[t] + 1) for t in range(num_tokens)]
         slots = []
         for t in range(num_tokens):
             req = token_to_req[t]
@@ -148,10 +153,10 @@ def oracle(q: torch.Tensor, built: list[BuiltSet], scale: float, sink: torch.Ten
     out = torch.zeros(num_tokens, num_heads, d, dtype=torch.float64)
     lse = torch.full((num_tokens, num_heads), float("inf"), dtype=torch.float64)
     for t in range(num_tokens):
-        rows = [b.kdec[s] for b in built for s in b.slots[t]]
+        rows = [b.kdec[torch.tensor(b.slots[t], dtype=torch.long)] for b in built if b.slots[t]]
         if not rows:
             continue
-        k = torch.stack(rows)  # [n, D]
+        k = torch.cat(rows)  # [n, D]
         if low_precision:
             s = (q64[t].float() @ k.float().T) * scale
             l_ = torch.logsumexp(s, dim=-1)

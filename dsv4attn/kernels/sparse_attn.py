@@ -114,10 +114,11 @@ def _to_bf16(x, CPU_INTERP: tl.constexpr):
 
 
 @triton.jit
-def _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP: tl.constexpr):
-    """One chunk of the base-2 online softmax; returns updated (m_i, l_i, acc)."""
-    s = _dot(q, tl.trans(k), CPU_INTERP) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
-    s = tl.where(valid[None, :], s, float("-inf"))
+def _online_update(q, k, mask, m_i, l_i, acc, qk_scale, CPU_INTERP: tl.constexpr):
+    """One chunk of the base-2 online softmax (``mask`` broadcasts to ``[rows, BLOCK_N]``);
+    returns updated (m_i, l_i, acc)."""
+    s = _dot(q, tl.trans(k), CPU_INTERP) * qk_scale  # [rows, BLOCK_N] fp32, log2 units
+    s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -125,6 +126,37 @@ def _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP: tl.constexp
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(_to_bf16(p, CPU_INTERP), k, CPU_INTERP)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, row_ok, o_off, lse_off, max_off, part_row, sink_ptrs,
+            out_ptr, lse_ptr, max_ptr, part_o_ptr, part_lse_ptr, d, d_ok,
+            HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+            D_PAD: tl.constexpr, CPU_INTERP: tl.constexpr):
+    """Normalise and write one tile of rows (a row = one (token, head); offsets are int64).
+
+    Final: out bf16 (sink applied, 0 for empty rows), lse natural log (+inf when empty), max
+    logits (optional). Partial: fp32 normalised out at ``part_row * D_PAD`` and base-2 lse
+    (-inf when empty) for ``_sparse_mla_combine_kernel``.
+    """
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # base 2
+    if WRITE_PARTIAL:
+        tl.store(part_o_ptr + part_row[:, None] * D_PAD + d[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part_row, lse2, mask=row_ok)
+    else:
+        lse = tl.where(empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = tl.load(sink_ptrs, mask=row_ok, other=float("-inf"))
+            o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
+        o = tl.where(empty[:, None], 0.0, o)
+        tl.store(out_ptr + o_off[:, None] + tl.where(d_ok, d, 0)[None, :], _to_bf16(o, CPU_INTERP),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + lse_off, lse, mask=row_ok)
+        if WRITE_MAX:
+            tl.store(max_ptr + max_off, m_i * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -139,20 +171,20 @@ def _sparse_mla_attn_kernel(
     a_idx_ptr, a_stride_idx, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
     b_idx_ptr, b_stride_idx, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
-    num_heads, qk_scale,
+    num_heads, qk_scale, split_base, total_splits,
     HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
     A_FP8: tl.constexpr, A_RANGE: tl.constexpr,
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
-    HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr,
+    HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), NUM_SPLITS)``.
 
-    NUM_SPLITS == 1: writes out (bf16, normalised, sink applied), lse (natural log, +inf for
-    empty rows) and optionally max logits. NUM_SPLITS > 1: writes fp32 partials
-    ``part_o [T, NUM_SPLITS, H, D_PAD]`` (normalised) and ``part_lse [T, NUM_SPLITS, H]``
-    (base 2, -inf when the split saw no candidate) for ``_sparse_mla_combine_kernel``.
+    Split ``s`` takes every NUM_SPLITS-th chunk of each set. Without WRITE_PARTIAL it writes
+    the final out / lse (/ max logits); with it, fp32 partials ``part_o [T, total_splits, H,
+    D_PAD]`` and ``part_lse [T, total_splits, H]`` at split index ``split_base + s`` for
+    ``_sparse_mla_combine_kernel`` (other passes, e.g. the prefill kernel, fill the rest).
     """
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -181,7 +213,7 @@ def _sparse_mla_attn_kernel(
                                            a_max_blocks, a_req, a_start, a_block_size, a_capacity, A_RANGE)
         k = _load_k(a_cache_ptr, blk, off, valid, a_stride_blk, a_stride_entry, a_block_size, A_FP8, HEAD_DIM, NOPE,
                     D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
-        m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP)
+        m_i, l_i, acc = _online_update(q, k, valid[None, :], m_i, l_i, acc, qk_scale, CPU_INTERP)
     if HAS_B:
         b_len = tl.load(b_len_ptr + t)
         b_req = 0
@@ -195,28 +227,13 @@ def _sparse_mla_attn_kernel(
                                                B_RANGE)
             k = _load_k(b_cache_ptr, blk, off, valid, b_stride_blk, b_stride_entry, b_block_size, B_FP8, HEAD_DIM,
                         NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
-            m_i, l_i, acc = _online_update(q, k, valid, m_i, l_i, acc, qk_scale, CPU_INTERP)
+            m_i, l_i, acc = _online_update(q, k, valid[None, :], m_i, l_i, acc, qk_scale, CPU_INTERP)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # base 2
     hc = tl.where(h_ok, h, 0)
-    if NUM_SPLITS == 1:
-        lse = tl.where(empty, float("inf"), lse2 * LN2)
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
-        o = tl.where(empty[:, None], 0.0, o)
-        tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + tl.where(d_ok, d, 0)[None, :],
-                 _to_bf16(o, CPU_INTERP), mask=h_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
-        if WRITE_MAX:
-            tl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
-    else:
-        row = (t64 * NUM_SPLITS + split) * num_heads + hc  # [BLOCK_H] int64
-        tl.store(part_o_ptr + row[:, None] * D_PAD + d[None, :], o, mask=h_ok[:, None])
-        tl.store(part_lse_ptr + row, lse2, mask=h_ok)
+    _finish(acc, m_i, l_i, h_ok, t64 * stride_o_t + hc * stride_o_h, t64 * stride_lse_t + hc,
+            t64 * stride_max_t + hc, (t64 * total_splits + split_base + split) * num_heads + hc,
+            sink_ptr + hc, out_ptr, lse_ptr, max_ptr, part_o_ptr, part_lse_ptr, d, d_ok,
+            HAS_SINK, WRITE_MAX, WRITE_PARTIAL, D_PAD, CPU_INTERP)
 
 
 @triton.jit

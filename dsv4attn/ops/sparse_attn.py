@@ -23,6 +23,10 @@ MAX_HEADS = 128
 _PROGRAMS_PER_SM = 2
 #: Most candidate splits a token is cut into (each costs a partial write + read of h*D fp32).
 _MAX_SPLITS = 16
+#: Rows (tokens x heads) of one prefill tile; the shared-range kernel is used up to this many
+#: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
+_PREFILL_ROWS = 64
+_PREFILL_MAX_HEADS = 32
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ def sparse_mla_attention(
     impl: str = "auto",
     *,
     num_splits: int | None = None,
+    prefill: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention (V == K) with an optional per-head attention sink.
 
@@ -83,8 +88,12 @@ def sparse_mla_attention(
     candidate gets ``out = 0`` and ``lse = +inf``. Invalid candidates (-1, at or beyond the
     length, slot beyond the cache) are never dereferenced, so unused pages may hold anything.
     ``num_splits`` forces the split-KV factor of the Triton path (``None``: heuristic).
+    ``prefill=True`` says that consecutive tokens mostly belong to one request (prefill chunks):
+    with <= 32 heads, range-form sets are then gathered once per block of tokens and shared
+    (any token order stays correct, only slower). Results do not depend on these two knobs
+    beyond fp32 rounding.
     """
-    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False)[:2]
+    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False, prefill=prefill)[:2]
 
 
 def _forward(
@@ -96,6 +105,7 @@ def _forward(
     impl: str,
     num_splits: int | None,
     want_max: bool,
+    prefill: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Shared body of the op and the FlashMLA entry points; ``want_max`` also returns the max
     logit per (token, head) (-inf for empty rows)."""
@@ -123,6 +133,8 @@ def _forward(
         check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, num_heads, head_dim), device=device)
         if out.stride(2) != 1:
             raise ValueError(f"out last dim must be contiguous, got strides {out.stride()}")
+    if not isinstance(prefill, bool):
+        raise TypeError(f"prefill must be a bool, got {prefill!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     path = resolve_impl(impl, device)
@@ -136,7 +148,7 @@ def _forward(
     max_logits = torch.empty_like(lse) if want_max else None
     if num_tokens == 0:
         return out, lse, max_logits
-    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits)
+    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits, prefill=prefill)
     return out, lse, max_logits
 
 
@@ -171,35 +183,79 @@ def _launch(
     max_logits: torch.Tensor | None,
     num_splits: int | None,
     config: KernelConfig | None = None,
+    prefill: bool = False,
 ) -> None:
-    """Run the Triton kernels (split-KV + combine when the config asks for splits)."""
+    """Run the Triton kernels: per-token (split-KV + combine when the config asks for splits),
+    or for ``prefill`` with <= 32 heads the shared-range kernel for range-form sets (merged with
+    a per-token pass over indices-form sets)."""
     import triton
 
-    from dsv4attn.kernels.sparse_attn import LOG2E, _sparse_mla_attn_kernel, _sparse_mla_combine_kernel
+    from dsv4attn.kernels.sparse_attn import LOG2E, _sparse_mla_combine_kernel
 
     num_tokens, num_heads, head_dim = q.shape
     lays = [resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets)]
     lay = next((x for x in lays if x is not None), None)
     nope = lay.nope_dim if lay else head_dim
-    data_bytes = lay.data_bytes if lay else 0
-    scale_bytes = lay.scale_bytes if lay else 0
-    num_tiles = lay.num_tiles if lay else 0
+    geo = dict(
+        HEAD_DIM=head_dim, NOPE=nope,
+        # fp8 tiles: NoPE tiles + one tile holding the RoPE dims (see _load_k), padded to a power of 2.
+        D_PAD=max(64, triton.next_power_of_2(nope + 64 if lay else head_dim)),
+        DATA_BYTES=lay.data_bytes if lay else 0, SCALE_BYTES=lay.scale_bytes if lay else 0,
+        NUM_TILES=lay.num_tiles if lay else 0, TILE=64,
+        CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
+    )
+    d_pad = geo["D_PAD"]
     cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
                                   num_splits)
-    # fp8 tiles: NoPE tiles + one tile holding the RoPE dims (see _load_k), padded to a power of 2.
-    d_pad = max(64, triton.next_power_of_2(nope + 64 if lay else head_dim))
-    a = sets[0]
-    b = sets[1] if len(sets) > 1 else sets[0]
     sink = attn_sink if attn_sink is not None else lse
-    mx = max_logits if max_logits is not None else lse
-    grid = (num_tokens, triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
-    if cfg.num_splits > 1:
+    range_sets = [s for s in sets if s.is_range]
+    index_sets = [s for s in sets if not s.is_range]
+    shared = prefill and bool(range_sets) and num_heads <= _PREFILL_MAX_HEADS and max_logits is None
+    if shared:
+        passes = [("range", range_sets)] + ([("index", index_sets)] if index_sets else [])
+        total = len(passes)
+    else:
+        passes = [("index", list(sets))]
+        total = cfg.num_splits
+    if total > 1:
         if max_logits is not None:
             raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = torch.empty(num_tokens * cfg.num_splits * num_heads * d_pad, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_tokens * cfg.num_splits * num_heads, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_tokens * total * num_heads * d_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = lse
+    qk_scale = softmax_scale * LOG2E
+    for split_base, (kind, group) in enumerate(passes):
+        if kind == "range":
+            _launch_prefill(q, group, out, lse, part_o, part_lse, sink, attn_sink is not None, qk_scale,
+                            split_base, total, cfg, geo)
+        else:
+            _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, attn_sink is not None, qk_scale,
+                           split_base, total, cfg if not shared else
+                           KernelConfig(cfg.block_h, cfg.block_n, 1, cfg.num_warps, cfg.num_stages), geo)
+    if total > 1:
+        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, cfg.block_h))](
+            part_o, part_lse, sink,
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0),
+            num_heads,
+            HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
+            BLOCK_H=cfg.block_h, NUM_SPLITS=total, CPU_INTERP=geo["CPU_INTERP"],
+            num_warps=cfg.num_warps,
+        )
+
+
+def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
+                   cfg: KernelConfig, geo: dict) -> None:
+    import triton
+
+    from dsv4attn.kernels.sparse_attn import _sparse_mla_attn_kernel
+
+    num_tokens, num_heads, _ = q.shape
+    a = sets[0]
+    b = sets[1] if len(sets) > 1 else sets[0]
+    mx = max_logits if max_logits is not None else lse
+    grid = (num_tokens, triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
     _sparse_mla_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
@@ -208,23 +264,43 @@ def _launch(
         part_o, part_lse,
         sink,
         *_set_args(a), *_set_args(b),
-        num_heads, softmax_scale * LOG2E,
-        HEAD_DIM=head_dim, NOPE=nope, D_PAD=d_pad,
-        DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes, NUM_TILES=num_tiles, TILE=64,
+        num_heads, qk_scale, split_base, total,
         A_FP8=a.is_fp8, A_RANGE=a.is_range,
         HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
-        HAS_SINK=attn_sink is not None, WRITE_MAX=max_logits is not None,
+        HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits,
-        CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
     )
-    if cfg.num_splits > 1:
-        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, cfg.block_h))](
-            part_o, part_lse, sink,
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            num_heads,
-            HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
-            BLOCK_H=cfg.block_h, NUM_SPLITS=cfg.num_splits, CPU_INTERP=q.device.type == "cpu",
-            num_warps=cfg.num_warps,
-        )
+
+
+def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
+                    cfg: KernelConfig, geo: dict) -> None:
+    import triton
+
+    from dsv4attn.kernels.sparse_attn_prefill import _sparse_mla_prefill_kernel
+
+    num_tokens, num_heads, _ = q.shape
+    block_h = triton.next_power_of_2(num_heads)
+    block_m = max(1, _PREFILL_ROWS // block_h)
+
+    def args(s: CandidateSet) -> list:
+        c = s.cache
+        return [c, c.stride(0), c.stride(1), s.block_size, s.capacity, s.lengths, s.block_table,
+                s.block_table.stride(0), s.block_table.shape[1], s.token_to_req, s.starts]
+
+    a = sets[0]
+    b = sets[1] if len(sets) > 1 else sets[0]
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(num_heads, block_h))
+    _sparse_mla_prefill_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0),
+        part_o, part_lse,
+        sink,
+        *args(a), *args(b),
+        num_tokens, num_heads, qk_scale, split_base, total,
+        A_FP8=a.is_fp8, HAS_B=len(sets) > 1, B_FP8=b.is_fp8,
+        HAS_SINK=has_sink, WRITE_PARTIAL=total > 1,
+        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
+    )

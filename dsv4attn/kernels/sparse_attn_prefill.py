@@ -1,0 +1,115 @@
+"""Triton prefill kernel for range-form candidate sets: one gather serves BLOCK_M tokens.
+
+Consecutive query tokens of one request see overlapping ranges (SWA windows slide by one
+entry; C128A is a dense prefix), so a program owns ``BLOCK_M`` consecutive tokens x
+``BLOCK_H`` heads as the rows of one tile, loads the union range of their entries once per
+chunk (dequantised once) and masks per row, like sliding-window flash attention. Rows whose
+tokens belong to different requests are handled one request after another (each row exactly
+once), so any token order is correct; sorted prefill batches take one pass. Indices-form sets
+(per-token top-k) are not shared; the op runs them through the per-token kernel and merges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4attn.kernels.sparse_attn import _finish, _load_k, _online_update
+
+#: Larger than any entry position (int32).
+_BIG = 2147483647
+
+
+@triton.jit
+def _shared_range_pass(
+    q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+    cache_ptr, stride_blk, stride_entry, block_size, capacity,
+    len_ptr, bt_ptr, stride_bt, max_blocks, req_ptr, start_ptr, qk_scale,
+    IS_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+):
+    """Attend the rows ``tok`` (one token per row) to their ranges of one range-form set."""
+    r_len = tl.load(len_ptr + tok, mask=row_ok, other=0)
+    r_len = tl.where(row_ok, r_len, 0)
+    r_start = tl.load(start_ptr + tok, mask=row_ok, other=0)
+    r_end = r_start + r_len
+    r_req = tl.load(req_ptr + tok, mask=row_ok, other=-1)
+    done = (r_len <= 0).to(tl.int32)
+    jn = tl.arange(0, BLOCK_N)
+    for i in range(BLOCK_M):
+        req = tl.load(req_ptr + tl.minimum(t0 + i, num_tokens - 1))
+        rows = (r_req == req) & (done == 0)  # rows of this request not handled yet
+        if tl.max(rows.to(tl.int32), axis=0) > 0:
+            lo = tl.maximum(tl.min(tl.where(rows, r_start, _BIG), axis=0), 0)
+            hi = tl.max(tl.where(rows, r_end, 0), axis=0)
+            for c in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+                e = lo + c * BLOCK_N + jn
+                ok = e < hi
+                col = e // block_size
+                ok = ok & (col < max_blocks)
+                blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + tl.where(ok, col, 0), mask=ok, other=-1)
+                ok = ok & (blk >= 0)
+                slot = blk.to(tl.int64) * block_size + e % block_size
+                ok = ok & (slot < capacity)
+                slot = tl.where(ok, slot, 0)
+                k = _load_k(cache_ptr, slot // block_size, slot % block_size, ok, stride_blk, stride_entry, block_size,
+                            IS_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
+                mask = (rows[:, None] & ok[None, :] & (e[None, :] >= r_start[:, None])
+                        & (e[None, :] < r_end[:, None]))
+                m_i, l_i, acc = _online_update(q, k, mask, m_i, l_i, acc, qk_scale, CPU_INTERP)
+            done = done | rows.to(tl.int32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_prefill_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    out_ptr, stride_o_t, stride_o_h,
+    lse_ptr, stride_lse_t,
+    part_o_ptr, part_lse_ptr,
+    sink_ptr,
+    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+    a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
+    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+    b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
+    num_tokens, num_heads, qk_scale, split_base, total_splits,
+    HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    A_FP8: tl.constexpr, HAS_B: tl.constexpr, B_FP8: tl.constexpr,
+    HAS_SINK: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+):
+    """Grid ``(cdiv(num_tokens, BLOCK_M), cdiv(num_heads, BLOCK_H))``; rows = BLOCK_M tokens x
+    BLOCK_H heads. Writes final outputs, or partials at split ``split_base`` (see _finish)."""
+    ROWS: tl.constexpr = BLOCK_M * BLOCK_H
+    t0 = tl.program_id(0) * BLOCK_M
+    r = tl.arange(0, ROWS)
+    tok = t0 + r // BLOCK_H
+    head = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    row_ok = (tok < num_tokens) & (head < num_heads)
+    tok = tl.where(row_ok, tok, 0)
+    head = tl.where(row_ok, head, 0)
+    tok64 = tok.to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (tok64 * stride_q_t + head * stride_q_h)[:, None] + tl.where(d_ok, d, 0)[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D_PAD), tl.float32)
+    m_i, l_i, acc = _shared_range_pass(
+        q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+        a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+        a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr, qk_scale,
+        A_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_M, BLOCK_N, CPU_INTERP)
+    if HAS_B:
+        m_i, l_i, acc = _shared_range_pass(
+            q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+            b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+            b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr, qk_scale,
+            B_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_M, BLOCK_N, CPU_INTERP)
+    _finish(acc, m_i, l_i, row_ok, tok64 * stride_o_t + head * stride_o_h, tok64 * stride_lse_t + head,
+            tok64 * stride_lse_t + head, (tok64 * total_splits + split_base) * num_heads + head,
+            sink_ptr + head, out_ptr, lse_ptr, lse_ptr, part_o_ptr, part_lse_ptr, d, d_ok,
+            HAS_SINK, False, WRITE_PARTIAL, D_PAD, CPU_INTERP)
