@@ -14,6 +14,7 @@ two compressed groups may share one tensor (vLLM's "full-MLA" group does).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -118,13 +119,18 @@ class BatchMetadata:
 
     num_actual_tokens = num_tokens
 
-    @property
+    @functools.cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens_cpu, default=0)
 
-    @property
+    @functools.cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    @functools.cached_property
+    def max_active_seq_len(self) -> int:
+        """Longest seq_len among requests with at least one token this step (0 if none)."""
+        return max((s for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu) if q > 0), default=0)
 
     @property
     def device(self) -> torch.device:

@@ -21,7 +21,8 @@ starts[t] + lengths[t] - 1`` of its request's stream through the group's block t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -129,12 +130,17 @@ class StepMetadata:
     """Everything the layers of one step read; token_to_req int32 [T], is_valid_token bool [T]."""
 
     batch: BatchMetadata
+    config: MetadataConfig
     form: str
     token_to_req: torch.Tensor
     is_valid_token: torch.Tensor
     swa: SWAMetadata
     compressed: Mapping[int, CompressedMetadata]
-    bytes_written: Mapping[str, int] = field(default_factory=dict)
+
+    @functools.cached_property
+    def bytes_written(self) -> Mapping[str, int]:
+        """Bytes the build wrote, per output (computed on first access: host work off the step)."""
+        return MappingProxyType(metadata_bytes_written(self.batch, self.config, self.form))
 
     @property
     def total_bytes_written(self) -> int:
@@ -224,30 +230,40 @@ class StepMetadataBuilder:
             raise ValueError(f"batch has {batch.num_reqs} requests, more than max_num_reqs={c.max_num_reqs}")
         if batch.max_seq_len > c.max_model_len:
             raise ValueError(f"batch has seq_len {batch.max_seq_len}, more than max_model_len={c.max_model_len}")
-        sl = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
-        ql = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
-        has_tokens = ql > 0
-        # SWA: columns holding positions max(0, first_pos - W + 1) .. seq_len - 1.
-        lo = (sl - ql - c.window_size + 1).clamp(min=0) // c.swa_block_size
-        hi = torch.where(has_tokens, (sl - 1) // c.swa_block_size + 1, lo)
-        self._check_table(batch, GROUP_SWA, lo, hi)
+        # Longest context among requests with tokens this step: O(1) column bounds per group.
+        sl_max = batch.max_active_seq_len
+        swa_cols = (sl_max - 1) // c.swa_block_size + 1 if sl_max else 0
+        self._check_columns(batch, GROUP_SWA, swa_cols, sl_max)
         for r in c.compress_ratios:
-            bs = c.entries_per_block(r)
-            n = sl // r
-            hi = torch.where(has_tokens & (n > 0), (n - 1) // bs + 1, torch.zeros_like(n))
-            self._check_table(batch, GROUP_C4 if r == 4 else GROUP_C128, torch.zeros_like(hi), hi)
+            n = sl_max // r
+            need = (n - 1) // c.entries_per_block(r) + 1 if n else 0
+            self._check_columns(batch, GROUP_C4 if r == 4 else GROUP_C128, need, sl_max)
+        if c.validate_block_ids and batch.num_reqs:
+            sl = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
+            ql = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
+            has_tokens = ql > 0
+            # SWA: columns holding positions max(0, first_pos - W + 1) .. seq_len - 1.
+            lo = (sl - ql - c.window_size + 1).clamp(min=0) // c.swa_block_size
+            hi = torch.where(has_tokens, (sl - 1) // c.swa_block_size + 1, lo)
+            self._check_ids(batch, GROUP_SWA, lo, hi)
+            for r in c.compress_ratios:
+                n = sl // r
+                hi = torch.where(has_tokens & (n > 0), (n - 1) // c.entries_per_block(r) + 1, torch.zeros_like(n))
+                self._check_ids(batch, GROUP_C4 if r == 4 else GROUP_C128, torch.zeros_like(hi), hi)
 
-    def _check_table(self, batch: BatchMetadata, group: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    @staticmethod
+    def _check_columns(batch: BatchMetadata, group: str, need: int, seq_len: int) -> None:
         if group not in batch.block_tables:
             raise ValueError(f"batch.block_tables lacks group {group!r} needed by this config")
+        cols = batch.block_tables[group].shape[1]
+        if need > cols:
+            raise ValueError(f"block_tables[{group!r}] has {cols} columns; seq_len {seq_len} needs {need}")
+
+    def _check_ids(self, batch: BatchMetadata, group: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Every block id in a used column must lie in [0, num_blocks) (one host sync)."""
         bt = batch.block_tables[group]
-        if batch.num_reqs == 0:
-            return
         need = int(hi.max())
-        if need > bt.shape[1]:
-            q = int(hi.argmax())
-            raise ValueError(f"block_tables[{group!r}] has {bt.shape[1]} columns; request {q} needs {need}")
-        if not self.config.validate_block_ids or need == 0:
+        if need == 0:
             return
         nb = self.config.num_blocks.get(group)
         cols = torch.arange(need, device=bt.device)[None, :]
@@ -299,8 +315,7 @@ class StepMetadataBuilder:
                 )
                 extra = dict(global_decode=g, decode_lens=dl, prefill_local=pf)
             comp[r] = CompressedMetadata(r, bt, bs, csm, **extra)
-        return StepMetadata(batch, form, t2r, valid, swa, MappingProxyType(comp),
-                            MappingProxyType(metadata_bytes_written(batch, c, form)))
+        return StepMetadata(batch, c, form, t2r, valid, swa, MappingProxyType(comp))
 
     def global_topk(self, step: StepMetadata, topk_local: torch.Tensor, impl: str = "auto"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
