@@ -112,7 +112,12 @@ class SWAMetadata:
 class CompressedMetadata:
     """A compressed group (ratio 4 or 128). slot_mapping int64 [T] (compressed slot per raw
     token, -1 if none). C128A only: global_decode int32 [nd, Wc], decode_lens int32 [nd],
-    prefill_local int32 [T-nd, Wc] (forms full, real); starts (zeros) / lengths int32 [T] (range)."""
+    prefill_local int32 [T-nd, Wc] (forms full, real); starts (zeros) / lengths int32 [T] (range).
+
+    In form "real" a row is valid only up to its own length (decode: ``decode_lens``; prefill:
+    ``(p + 1) // 128``, -1 padded to a multiple of 128); columns past ``round_up(n, 128)`` hold
+    stale values from earlier steps and must not be read (every kernel of this project bounds
+    its reads by the length, as the interface contract requires)."""
 
     compress_ratio: int
     block_table: torch.Tensor
