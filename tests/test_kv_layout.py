@@ -94,7 +94,7 @@ def awkward_tokens(n: int, dim: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_size,num_blocks,stride", [(64, 1, 37440), (2, 3, 1728)])
-def test_production_layout_byte_exact(block_size, num_blocks, stride):
+def test_production_layout_byte_exact(block_size, num_blocks, stride, device):
     layout = FP8DSMLALayout()
     assert (layout.entry_bytes, layout.data_bytes, layout.scale_bytes) == (584, 576, 8)
     assert layout.page_bytes(block_size) == stride
@@ -114,9 +114,9 @@ def test_production_layout_byte_exact(block_size, num_blocks, stride):
     # The writers (reference and Triton) produce the same pages in a zero-filled cache.
     slots = torch.arange(num_blocks * block_size)
     for impl in ("reference", "triton"):
-        dst = alloc_fp8_ds_mla_cache(num_blocks, block_size, fill=0)
-        insert_kv(x.reshape(-1, 512), slots, dst, impl=impl)
-        assert pages_of(dst).contiguous().numpy().tobytes() == want, impl
+        dst = alloc_fp8_ds_mla_cache(num_blocks, block_size, device=device, fill=0)
+        insert_kv(x.reshape(-1, 512).to(device), slots.to(device), dst, impl=impl)
+        assert pages_of(dst).contiguous().cpu().numpy().tobytes() == want, impl
 
 
 @pytest.mark.parametrize("nope,rope", [(64, 64), (128, 32), (448, 64)])

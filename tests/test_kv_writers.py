@@ -355,7 +355,7 @@ def test_insert_past_int32_byte_offsets_on_gpu():
     num_blocks=st.integers(1, 5),
     data=st.data(),
 )
-def test_triton_equals_reference_random_geometry(bs, num_blocks, data):
+def test_triton_equals_reference_random_geometry(bs, num_blocks, data, device):
     """Awkward block sizes / token counts / hole patterns: both paths write the same bytes."""
     cap = bs * num_blocks
     n = data.draw(st.integers(0, cap))
@@ -366,8 +366,8 @@ def test_triton_equals_reference_random_geometry(bs, num_blocks, data):
     layout = FP8DSMLALayout(128, 32)
     out = []
     for impl in IMPLS:
-        cache = alloc_fp8_ds_mla_cache(num_blocks, bs, layout, fill=POISON)
-        insert_kv(x, slots, cache, layout=layout, impl=impl)
+        cache = alloc_fp8_ds_mla_cache(num_blocks, bs, layout, device=device, fill=POISON)
+        insert_kv(x.to(device), slots.to(device), cache, layout=layout, impl=impl)
         out.append(pages_of(cache, layout))
     assert torch.equal(out[0], out[1])
 
