@@ -66,8 +66,12 @@ def schedule(T, r, rng):
     return sizes
 
 
-def _close(got, want, rel=1e-4):
+def _close(got, want, rel=1e-4, skip=None):
+    """Max-abs check relative to want's max; ``skip`` (bool [T]) drops tokens whose indexer top-k
+    has a tie at the boundary (any tie-break is right there; the reference's is arbitrary)."""
     got, want = got.float().cpu(), want.float().cpu()
+    if skip is not None:
+        got, want = got[~skip.cpu()], want[~skip.cpu()]
     err = (got - want).abs().max().item()
     assert err <= rel * want.abs().max().item(), f"max abs err {err} vs scale {want.abs().max().item()}"
 
@@ -80,7 +84,8 @@ def test_chunked_request_equals_full_sequence(layer_idx, kind, r, device):
     want = hf_oracle.hf_forward(ref, x)
     with torch.no_grad():
         dense = ours(x)
-    _close(dense, want, rel=1e-5)
+    skip = ours.topk_ambiguous(x)
+    _close(dense, want, rel=1e-5, skip=skip)
     runner = _runner(ours, device)
     sizes = schedule(T, max(r, 4), random.Random(layer_idx))
     outs, s = [], 0
@@ -88,8 +93,8 @@ def test_chunked_request_equals_full_sequence(layer_idx, kind, r, device):
         outs.append(runner.step({"req": x[s:s + n].to(device)})["req"])
         s += n
     got = torch.cat(outs)
-    _close(got, want)
-    _close(got, dense.to(got.device), rel=1e-5)
+    _close(got, want, skip=skip)
+    _close(got, dense.to(got.device), rel=1e-5)  # same tie-break: no token skipped
 
 
 def _interleave(runner, seqs, rng, r, max_active=3):
@@ -127,7 +132,7 @@ def test_interleaved_requests_equal_reference(layer_idx, kind, r, device):
     runner = _runner(ours, device)
     got = _interleave(runner, seqs, random.Random(layer_idx), max(r, 4))
     for k, x in seqs.items():
-        _close(got[k], hf_oracle.hf_forward(ref, x))
+        _close(got[k], hf_oracle.hf_forward(ref, x), skip=ours.topk_ambiguous(x.to(runner.device)))
     assert runner.requests == [] and runner.num_free_blocks == 96
 
 
@@ -173,7 +178,7 @@ def test_bad_requests_raise_and_leave_others_intact(device):
     assert hog.requests == ["h1"] and hog.seq_len("h1") == 20
     assert (runner.num_free_blocks, runner.seq_len("a")) == before and runner.requests == ["a"]
     out.append(runner.step({"a": a[20:].to(dev)})["a"])
-    _close(torch.cat(out), hf_oracle.hf_forward(ref, a))
+    _close(torch.cat(out), hf_oracle.hf_forward(ref, a), skip=ours.topk_ambiguous(a.to(dev)))
     assert runner.step({}) == {}
 
 
@@ -191,4 +196,4 @@ def test_nan_poisoned_pages_are_never_read(layer_idx, kind, r, device):
             t.fill_(float("nan"))
     got = _interleave(runner, seqs, random.Random(3), max(r, 4), max_active=2)
     for k, x in seqs.items():
-        _close(got[k], hf_oracle.hf_forward(ref, x))
+        _close(got[k], hf_oracle.hf_forward(ref, x), skip=ours.topk_ambiguous(x.to(runner.device)))

@@ -23,7 +23,7 @@ from torch import nn
 
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.compressor import Compressor
-from dsv4attn.layers.indexer import Indexer, select_topk
+from dsv4attn.layers.indexer import Indexer, select_topk, topk_boundary_ties
 from dsv4attn.layers.norm import RMSNorm, rms_norm_unweighted
 from dsv4attn.layers.rope import RotaryTable, apply_rope
 
@@ -136,11 +136,8 @@ class DeepseekV4Attention(nn.Module):
             n = comp.shape[0]
             eligible = (pos + 1) // self.ratio  # [T]
             if self.kind == "csa":
-                idx_mod = self.indexer
-                ikeys = idx_mod.compress_dense(idx_mod.state_rows(hidden, pos), self.rotary, hidden.dtype)
-                iq, iw = idx_mod.queries(qr, hidden, cos, sin)
-                scores = idx_mod.scores(iq, iw, ikeys[None].expand(T, -1, -1))
-                sel = select_topk(scores, eligible, idx_mod.topk).long()  # [T, K]
+                scores = self._indexer_scores_dense(hidden, qr, cos, sin)
+                sel = select_topk(scores, eligible, self.indexer.topk).long()  # [T, K]
             else:
                 sel = torch.arange(n, device=dev)[None, :].expand(T, -1)
                 sel = torch.where(sel < eligible[:, None], sel, torch.full_like(sel, -1))
@@ -148,3 +145,27 @@ class DeepseekV4Attention(nn.Module):
             valid.append(sel >= 0)
         attn = self.attend_dense(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1))
         return self.project_out(attn, cos, sin)
+
+    def _indexer_scores_dense(
+        self, hidden: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Indexer scores of one whole sequence: fp32 ``[T, T // r]`` (no causal mask applied)."""
+        idx = self.indexer
+        pos = torch.arange(hidden.shape[0], device=hidden.device)
+        keys = idx.compress_dense(idx.state_rows(hidden, pos), self.rotary, hidden.dtype)
+        q, w = idx.queries(qr, hidden, cos, sin)
+        return idx.scores(q, w, keys[None].expand(hidden.shape[0], -1, -1))
+
+    @torch.no_grad()
+    def topk_ambiguous(self, hidden: torch.Tensor) -> torch.Tensor:
+        """bool ``[T]`` for one sequence ``hidden [T, hidden_size]`` at positions 0..T-1: tokens whose
+        indexer top-k has a tie at the selection boundary (CSA only; all False otherwise). For
+        those tokens any tie-break is correct, so comparisons with the reference skip them."""
+        T = hidden.shape[0]
+        if self.kind != "csa":
+            return torch.zeros(T, dtype=torch.bool, device=hidden.device)
+        pos = torch.arange(T, device=hidden.device)
+        cos, sin = self.rotary(pos)
+        _, qr = self.project_q(hidden, cos, sin)
+        scores = self._indexer_scores_dense(hidden, qr, cos, sin)
+        return topk_boundary_ties(scores, (pos + 1) // self.ratio, self.indexer.topk)

@@ -73,3 +73,15 @@ def select_topk(scores: torch.Tensor, num_eligible: torch.Tensor, topk: int) -> 
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :width]
     keep = torch.arange(width, device=scores.device)[None, :] < num_eligible[:, None]
     return torch.where(keep, order, torch.full_like(order, -1)).to(torch.int32)
+
+
+def topk_boundary_ties(scores: torch.Tensor, num_eligible: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool ``[T]``: True where the top-k selection of a row is ambiguous, i.e. more than ``topk``
+    entries are eligible and the ``topk``-th and ``topk+1``-th best eligible scores are equal
+    (typically exact ReLU zeros). Any tie-break is then valid; the reference's is arbitrary."""
+    T, N = scores.shape
+    if topk >= N:
+        return torch.zeros(T, dtype=torch.bool, device=scores.device)
+    eligible = torch.arange(N, device=scores.device)[None, :] < num_eligible[:, None]
+    best = scores.masked_fill(~eligible, float("-inf")).sort(dim=-1, descending=True).values
+    return (num_eligible > topk) & (best[:, topk - 1] == best[:, topk])
