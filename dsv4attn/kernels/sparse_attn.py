@@ -17,9 +17,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: log2(e) and ln(2): the online softmax runs in base 2.
+#: log2(e) (host side: folded into the softmax scale) and ln(2) (kernel side; a constexpr, as
+#: compiled Triton only reads constexpr globals): the online softmax runs in base 2.
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from dsv4attn.kernels.sparse_attn import _finish, _load_k, _online_update
 
-#: Larger than any entry position (int32).
-_BIG = 2147483647
+#: Larger than any entry position (int32); constexpr because compiled Triton reads only those.
+_BIG = tl.constexpr(2147483647)
 
 
 @triton.jit

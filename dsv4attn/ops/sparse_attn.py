@@ -27,6 +27,8 @@ _MAX_SPLITS = 16
 #: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
 _PREFILL_ROWS = 64
 _PREFILL_MAX_HEADS = 32
+#: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
+_COMBINE_BLOCK_H = 16
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,9 @@ def kernel_config(
     only when ``num_tokens * head_tiles`` cannot fill the GPU."""
     d_pad = max(64, 1 << (head_dim - 1).bit_length())
     block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
-    block_n = 32 if d_pad >= 256 else 64
+    # [64, 512] fp32 accumulators take 128 registers/thread at 8 warps: small candidate chunks
+    # keep the dequantised tile's registers down (sm90 ptxas: BLOCK_N 16 spills least).
+    block_n = 16 if d_pad >= 512 else 32 if d_pad >= 256 else 64
     if num_splits is None:
         num_splits = 1
         if device.type == "cuda":
@@ -234,14 +238,14 @@ def _launch(
                            split_base, total, cfg if not shared else
                            KernelConfig(cfg.block_h, cfg.block_n, 1, cfg.num_warps, cfg.num_stages), geo)
     if total > 1:
-        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, cfg.block_h))](
+        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, _COMBINE_BLOCK_H))](
             part_o, part_lse, sink,
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
             num_heads,
             HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
-            BLOCK_H=cfg.block_h, NUM_SPLITS=total, CPU_INTERP=geo["CPU_INTERP"],
-            num_warps=cfg.num_warps,
+            BLOCK_H=_COMBINE_BLOCK_H, NUM_SPLITS=total, CPU_INTERP=geo["CPU_INTERP"],
+            num_warps=4,
         )
 
 
