@@ -105,7 +105,7 @@ def main() -> None:
                             extra={"tok/s": f"{batch / (us * 1e-6):.0f}"}))
             del runner
         for c in prefill_cases:
-            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=c // 4 + 64, device=dev,
+            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=c // 2 + 256, device=dev,
                                      max_num_batched_tokens=c, max_model_len=c)
             x = torch.randn(c, hs, device=dev, dtype=torch.bfloat16)
             ids = iter(range(10**9))
