@@ -58,18 +58,28 @@ def _load_k(
     d = tl.arange(0, D_PAD)
     if IS_FP8:
         # Work on [BLOCK_N, NT_PAD, TILE]: tile t < NUM_TILES holds NoPE dims 64t..64t+63 (fp8
-        # x UE8M0 scale), tile NUM_TILES holds the RoPE dims (bf16, read once at [BLOCK_N, TILE]),
-        # later tiles are zero padding. The caller guarantees ROPE <= TILE.
+        # x UE8M0 scale), tile NUM_TILES holds the RoPE dims (bf16), later tiles are zero
+        # padding. The caller guarantees ROPE <= TILE and 4-byte aligned entries. Bytes are
+        # read as 32-bit words (4 fp8 / 2 bf16 values per load: a quarter of the per-element
+        # 64-bit addresses) and unpacked with shifts and tl.join.
         NT_PAD: tl.constexpr = D_PAD // TILE
+        WPT: tl.constexpr = TILE // 4
         tt = tl.arange(0, NT_PAD)
-        dd = tl.arange(0, TILE)
+        ww = tl.arange(0, WPT)
         in_sc = tt < NUM_TILES
         base = blk * stride_blk + off * DATA_BYTES  # int64 byte offset of the entry's data
-        nope_off = tl.where(in_sc, tt, 0)[None, :, None] * TILE + dd[None, None, :]
-        m3 = valid[:, None, None] & in_sc[None, :, None]
-        b = tl.load(cache_ptr + base[:, None, None] + nope_off, mask=m3, other=0).to(tl.uint32)
-        # e4m3fn -> fp32 exactly: sign to bit 31, exponent+mantissa to bits 20..26, times 2^120.
-        f = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+        nope_off = tl.where(in_sc, tt, 0)[None, :, None] * TILE + ww[None, None, :] * 4
+        wp = (cache_ptr + base[:, None, None] + nope_off).to(tl.pointer_type(tl.uint32))
+        w = tl.load(wp, mask=valid[:, None, None] & in_sc[None, :, None], other=0)  # [N, NT_PAD, WPT]
+        # e4m3fn byte i of a word -> fp32 bits with the sign at bit 31 and exponent+mantissa at
+        # bits 20..26; those bits times 2^120 equal the e4m3fn value exactly.
+        f0 = ((w & 0x80) << 24) | ((w & 0x7F) << 20)
+        f1 = ((w & 0x8000) << 16) | ((w & 0x7F00) << 12)
+        f2 = ((w & 0x800000) << 8) | ((w & 0x7F0000) << 4)
+        f3 = (w & 0x80000000) | ((w & 0x7F000000) >> 4)
+        # join(join(f0, f2), join(f1, f3)) flattens to the byte order f0, f1, f2, f3.
+        f = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (BLOCK_N, NT_PAD, TILE))
+        f = f.to(tl.float32, bitcast=True) * 1.329227995784916e36
         # UE8M0 tile scales 2^(byte-127) built as fp32 exponent fields (exact for bytes 1..254; the
         # quantiser never writes 0 or 255). Folding 2^120 into this factor would overflow fp32
         # for bytes > 134, so it stays a separate multiply.
@@ -77,9 +87,12 @@ def _load_k(
         sb = tl.load(cache_ptr + sc_off[:, None] + tl.where(in_sc, tt, 0)[None, :],
                      mask=valid[:, None] & in_sc[None, :], other=127).to(tl.uint32)
         sc = (sb << 23).to(tl.float32, bitcast=True)
-        in_rope = dd < HEAD_DIM - NOPE
-        rp = (cache_ptr + base[:, None] + NOPE + 2 * tl.where(in_rope, dd, 0)[None, :]).to(tl.pointer_type(tl.bfloat16))
-        r = tl.load(rp, mask=valid[:, None] & in_rope[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, TILE]
+        # RoPE: bf16 pairs per word; bf16 -> fp32 is the 16-bit pattern moved to the top half.
+        rw = tl.arange(0, TILE // 2)
+        in_rope = rw * 2 < HEAD_DIM - NOPE
+        rp = (cache_ptr + base[:, None] + NOPE + 4 * tl.where(in_rope, rw, 0)[None, :]).to(tl.pointer_type(tl.uint32))
+        rv = tl.load(rp, mask=valid[:, None] & in_rope[None, :], other=0)  # [N, TILE // 2]
+        r = tl.reshape(tl.join(rv << 16, rv & 0xFFFF0000), (BLOCK_N, TILE)).to(tl.float32, bitcast=True)
         k3 = tl.where((tt == NUM_TILES)[None, :, None], r[:, None, :], f * sc[:, :, None])
         k = tl.reshape(k3, (BLOCK_N, D_PAD)).to(tl.bfloat16)
     else:

@@ -112,6 +112,9 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
     if cache.dtype == torch.uint8:
         lay = resolve_layout(s, head_dim, name)
         check_fp8_ds_mla_cache(f"{name}.cache", cache, lay)
+        if cache.data_ptr() % 4 or (cache.shape[0] > 1 and cache.stride(0) % 4):
+            # Kernels read entries as 32-bit words; real pages are 576-byte aligned.
+            raise ValueError(f"{name}.cache pages must be 4-byte aligned (data_ptr and stride(0))")
         if cache.shape[1] > 1 and cache.stride(1) != lay.entry_bytes:
             # The view's middle dim is cosmetic, but a reshape would break the byte layout.
             raise ValueError(f"{name}.cache stride(1) must be {lay.entry_bytes}, got {cache.stride(1)}")
