@@ -95,7 +95,10 @@ def run_demo(size: DemoSize, num_requests: int, device: torch.device, seed: int 
         layer.load_state_dict(ref.state_dict(), strict=True)
         dense.append(copy.deepcopy(layer).to(device))  # fp32: finds tie-ambiguous top-k tokens
         layer = layer.to(device=device, dtype=size.dtype)
-        runners.append(AttentionRunner(layer, size.kv_cache_dtype, num_blocks=64 * num_requests + 256, device=device,
+        # steady state per request: its compressed blocks + ~3 SWA + <= 17 state blocks; one step's
+        # prefill chunks also hold state blocks for every new token (4 or 8 tokens per block)
+        num_blocks = num_requests * (-(-max_len // 256) + 24) + size.token_budget // 2 + 64
+        runners.append(AttentionRunner(layer, size.kv_cache_dtype, num_blocks=num_blocks, device=device,
                                        max_num_batched_tokens=size.token_budget + num_requests,
                                        max_model_len=max_len, max_num_reqs=num_requests))
     rng = random.Random(seed)
