@@ -1,7 +1,7 @@
 """Triton kernels of the sparse MLA attention with attention sink over paged caches.
 
 One program owns one query token, a tile of ``BLOCK_H`` heads and (with split-KV) every
-``NUM_SPLITS``-th chunk of ``BLOCK_N`` candidates of each set. A chunk is gathered by slot,
+``num_splits``-th chunk of ``BLOCK_N`` candidates of each set. A chunk is gathered by slot,
 dequantised in registers (fp8_ds_mla: e4m3 decoded with integer bit operations, UE8M0 tile
 scale folded in; RoPE dims read as bf16), and fed to ``tl.dot`` twice (QK^T and PV, bf16 in,
 fp32 accumulate) under an online softmax in base 2 shared by both sets. All ``BLOCK_H`` heads
@@ -185,17 +185,17 @@ def _sparse_mla_attn_kernel(
     a_idx_ptr, a_stride_idx, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
     b_idx_ptr, b_stride_idx, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
-    num_heads, qk_scale, split_base, total_splits,
+    num_heads, qk_scale, split_base, total_splits, num_splits,
     HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
     A_FP8: tl.constexpr, A_RANGE: tl.constexpr,
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CPU_INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
-    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), NUM_SPLITS)``.
+    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), num_splits)``.
 
-    Split ``s`` takes every NUM_SPLITS-th chunk of each set. Without WRITE_PARTIAL it writes
+    Split ``s`` takes every num_splits-th chunk of each set. Without WRITE_PARTIAL it writes
     the final out / lse (/ max logits); with it, fp32 partials ``part_o [T, total_splits, H,
     D_PAD]`` and ``part_lse [T, total_splits, H]`` at split index ``split_base + s`` for
     ``_sparse_mla_combine_kernel`` (other passes, e.g. the prefill kernel, fill the rest).
@@ -222,7 +222,7 @@ def _sparse_mla_attn_kernel(
     if A_RANGE:
         a_req = tl.load(a_req_ptr + t)
         a_start = tl.load(a_start_ptr + t)
-    for c in range(split, tl.cdiv(a_len, BLOCK_N), NUM_SPLITS):
+    for c in range(split, tl.cdiv(a_len, BLOCK_N), num_splits):
         blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, a_idx_ptr, a_stride_idx, a_len, a_bt_ptr, a_stride_bt,
                                            a_max_blocks, a_req, a_start, a_block_size, a_capacity, A_RANGE)
         k = _load_k(a_cache_ptr, blk, off, valid, a_stride_blk, a_stride_entry, a_block_size, A_FP8, HEAD_DIM, NOPE,
@@ -235,7 +235,7 @@ def _sparse_mla_attn_kernel(
         if B_RANGE:
             b_req = tl.load(b_req_ptr + t)
             b_start = tl.load(b_start_ptr + t)
-        for c in range(split, tl.cdiv(b_len, BLOCK_N), NUM_SPLITS):
+        for c in range(split, tl.cdiv(b_len, BLOCK_N), num_splits):
             blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, b_idx_ptr, b_stride_idx, b_len, b_bt_ptr,
                                                b_stride_bt, b_max_blocks, b_req, b_start, b_block_size, b_capacity,
                                                B_RANGE)
@@ -255,9 +255,9 @@ def _sparse_mla_combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr,
     out_ptr, stride_o_t, stride_o_h,
     lse_ptr, stride_lse_t,
-    num_heads,
+    num_heads, num_splits,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
-    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, CPU_INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H))``: merge split partials, apply the sink."""
     t = tl.program_id(0)
@@ -269,14 +269,14 @@ def _sparse_mla_combine_kernel(
     d_ok = d < HEAD_DIM
     t64 = t.to(tl.int64)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        ls = tl.load(part_lse_ptr + (t64 * NUM_SPLITS + s) * num_heads + hc, mask=h_ok, other=float("-inf"))
+    for s in range(num_splits):
+        ls = tl.load(part_lse_ptr + (t64 * num_splits + s) * num_heads + hc, mask=h_ok, other=float("-inf"))
         m = tl.maximum(m, ls)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros((BLOCK_H,), tl.float32)
     o = tl.zeros((BLOCK_H, D_PAD), tl.float32)
-    for s in range(NUM_SPLITS):
-        row = (t64 * NUM_SPLITS + s) * num_heads + hc
+    for s in range(num_splits):
+        row = (t64 * num_splits + s) * num_heads + hc
         ls = tl.load(part_lse_ptr + row, mask=h_ok, other=float("-inf"))
         w = tl.exp2(ls - m_safe)  # 0 for empty splits
         po = tl.load(part_o_ptr + row[:, None] * D_PAD + d[None, :], mask=h_ok[:, None] & (w > 0.0)[:, None],

@@ -242,9 +242,9 @@ def _launch(
             part_o, part_lse, sink,
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
-            num_heads,
+            num_heads, total,
             HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
-            BLOCK_H=_COMBINE_BLOCK_H, NUM_SPLITS=total, CPU_INTERP=geo["CPU_INTERP"],
+            BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
             num_warps=4,
         )
 
@@ -268,11 +268,11 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         part_o, part_lse,
         sink,
         *_set_args(a), *_set_args(b),
-        num_heads, qk_scale, split_base, total,
+        num_heads, qk_scale, split_base, total, cfg.num_splits,
         A_FP8=a.is_fp8, A_RANGE=a.is_range,
         HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
         HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
     )
 
