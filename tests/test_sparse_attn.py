@@ -13,6 +13,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_sparse_attn_helpers import (
     PROD_LAYOUT,
     SMALL_LAYOUT,
@@ -44,8 +46,9 @@ CASES = [
 ]
 
 
-def _run_case(case, device, impl):
+def _run_case(case, device, impl, prefill=False):
     _, num_heads, num_tokens, layout, specs, num_splits, sink_kind, num_reqs = case
+    num_reqs = min(num_reqs, num_tokens)
     gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
     token_to_req = [t * num_reqs // num_tokens for t in range(num_tokens)]
     built = [build_set(s, num_tokens, token_to_req, layout, gen, device) for s in specs]
@@ -53,7 +56,7 @@ def _run_case(case, device, impl):
     q = torch.randn(num_tokens, num_heads, d, generator=gen).to(torch.bfloat16)
     scale = d**-0.5 * 2.0  # sharper than 1/sqrt(d) so the softmax is far from uniform
     sink = make_sink(num_heads, sink_kind, gen)
-    kw = dict(num_splits=num_splits) if impl == "triton" else {}
+    kw = dict(num_splits=num_splits, prefill=prefill) if impl == "triton" else {}
     out, lse = sparse_mla_attention(q.to(device), [b.cset for b in built], scale,
                                     None if sink is None else sink.to(device), impl=impl, **kw)
     assert out.shape == (num_tokens, num_heads, d) and out.dtype == torch.bfloat16
@@ -172,5 +175,24 @@ def test_sweep_slow(num_heads, layout, device):
     for splits in (1, 3):
         case = (f"sweep-h{num_heads}-{layout.nope_dim}-s{splits}", num_heads, 3, layout,
                 [SetSpec("indices", True, 64, 130), SetSpec("range", True, 64, 128)], splits, "inf", 2)
-        _run_case(case, device, "triton")
+        _run_case(case, device, "triton", prefill=prefill)
     assert math.isfinite(1.0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    num_heads=st.integers(1, 20),
+    num_tokens=st.integers(1, 4),
+    forms=st.lists(st.tuples(st.sampled_from(["indices", "range"]), st.booleans(), st.sampled_from([2, 16, 64]),
+                             st.integers(0, 80)), min_size=1, max_size=2),
+    num_splits=st.integers(1, 3),
+    sink_kind=st.sampled_from(["none", "finite", "inf"]),
+    seed=st.integers(0, 1 << 20),
+    prefill=st.booleans(),
+)
+def test_random_sets_match_oracle(num_heads, num_tokens, forms, num_splits, sink_kind, seed, prefill):
+    """Random mixes of forms, page dtypes, block sizes, widths, splits and the prefill path."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    specs = [SetSpec(f, fp8, bs, w) for f, fp8, bs, w in forms]
+    case = (f"random-{seed}", num_heads, num_tokens, SMALL_LAYOUT, specs, num_splits, sink_kind, 2)
+    _run_case(case, device, "triton", prefill=prefill)

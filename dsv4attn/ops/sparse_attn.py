@@ -27,6 +27,8 @@ _MAX_SPLITS = 16
 #: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
 _PREFILL_ROWS = 64
 _PREFILL_MAX_HEADS = 32
+#: Shared memory per block (bytes) below which the kernels run single-stage.
+_TWO_STAGE_SMEM = 160 * 1024
 #: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
 _COMBINE_BLOCK_H = 16
 
@@ -62,7 +64,13 @@ def kernel_config(
                 num_splits = min(math.ceil(_PROGRAMS_PER_SM * sms / progs), _MAX_SPLITS,
                                  max(1, math.ceil(max_candidates / block_n)))
     num_warps = 8 if d_pad >= 256 else 4
-    return KernelConfig(block_h, block_n, int(num_splits), num_warps, 2 if d_pad >= 256 else 1)
+    num_stages = 2 if d_pad >= 256 else 1
+    if device.type == "cuda" and num_stages > 1:
+        # Two stages need ~92-110 KB of shared memory at head_dim 512; sm86/89/120 offer ~99 KB.
+        props = torch.cuda.get_device_properties(device)
+        if getattr(props, "shared_memory_per_block_optin", 0) < _TWO_STAGE_SMEM:
+            num_stages = 1
+    return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages)
 
 
 def sparse_mla_attention(
