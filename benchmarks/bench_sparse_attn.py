@@ -108,9 +108,9 @@ def sweep(q, sets, rows):
     out = torch.empty_like(q)
     lse = torch.empty(num_tokens, num_heads, device=q.device)
     sink = torch.zeros(num_heads, device=q.device)
-    for block_n in (16, 32):
+    for block_n in (16, 32, 64):
         for warps in (8,):
-            for stages in (1, 2, 3):
+            for stages in (1, 2):
                 for splits in (1, 2):
                     cfg = KernelConfig(min(64, num_heads), block_n, splits, warps, stages)
                     try:

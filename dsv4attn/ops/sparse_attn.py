@@ -224,10 +224,10 @@ def _launch(
     index_sets = [s for s in sets if not s.is_range]
     shared = prefill and bool(range_sets) and num_heads <= _PREFILL_MAX_HEADS and max_logits is None
     if shared:
-        passes = [("range", range_sets)] + ([("index", index_sets)] if index_sets else [])
+        passes = [("shared", range_sets)] + ([("per_token", index_sets)] if index_sets else [])
         total = len(passes)
     else:
-        passes = [("index", list(sets))]
+        passes = [("per_token", list(sets))]
         total = cfg.num_splits
     if total > 1:
         if max_logits is not None:
@@ -238,7 +238,7 @@ def _launch(
         part_o = part_lse = lse
     qk_scale = softmax_scale * LOG2E
     for split_base, (kind, group) in enumerate(passes):
-        if kind == "range":
+        if kind == "shared":
             _launch_prefill(q, group, out, lse, part_o, part_lse, sink, attn_sink is not None, qk_scale,
                             split_base, total, cfg, geo)
         else:
