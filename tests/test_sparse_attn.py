@@ -96,6 +96,19 @@ def test_empty_rows_and_lengths_zero(impl, device):
     assert_matches(out, lse, oracle(q, [a, b], 0.1, sink), oracle(q, [a, b], 0.1, sink, True), "empty")
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_lengths_beyond_width_mean_whole_row(impl, device):
+    """lengths > width never reads past the index row (the next row or beyond the tensor)."""
+    gen = torch.Generator().manual_seed(9)
+    a = build_set(SetSpec("indices", True, 16, 20, hole_frac=0.0), 3, [0] * 3, SMALL_LAYOUT, gen, device,
+                  lengths=[20, 5, 20])
+    long = CandidateSet(cache=a.cset.cache, lengths=torch.tensor([25, 5, 1000], dtype=torch.int32, device=device),
+                        indices=a.cset.indices, layout=SMALL_LAYOUT)
+    q = torch.randn(3, 2, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    out, lse = sparse_mla_attention(q.to(device), [long], 0.1, impl=impl)
+    assert_matches(out, lse, oracle(q, [a], 0.1, None), oracle(q, [a], 0.1, None, True), "long lengths")
+
+
 def test_no_tokens(device):
     gen = torch.Generator().manual_seed(1)
     a = build_set(SetSpec("indices", True, 16, 4), 0, [], SMALL_LAYOUT, gen, device, lengths=[])

@@ -182,9 +182,9 @@ def _sparse_mla_attn_kernel(
     part_o_ptr, part_lse_ptr,
     sink_ptr,
     a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-    a_idx_ptr, a_stride_idx, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
+    a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-    b_idx_ptr, b_stride_idx, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
+    b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
     num_heads, qk_scale, split_base, total_splits, num_splits,
     HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
@@ -216,7 +216,7 @@ def _sparse_mla_attn_kernel(
     acc = tl.zeros((BLOCK_H, D_PAD), tl.float32)
     jn = tl.arange(0, BLOCK_N)
 
-    a_len = tl.load(a_len_ptr + t)
+    a_len = tl.minimum(tl.load(a_len_ptr + t), a_width)  # indices form: never past the row
     a_req = 0
     a_start = 0
     if A_RANGE:
@@ -229,7 +229,7 @@ def _sparse_mla_attn_kernel(
                     D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
         m_i, l_i, acc = _online_update(q, k, valid[None, :], m_i, l_i, acc, qk_scale, CPU_INTERP)
     if HAS_B:
-        b_len = tl.load(b_len_ptr + t)
+        b_len = tl.minimum(tl.load(b_len_ptr + t), b_width)
         b_req = 0
         b_start = 0
         if B_RANGE:

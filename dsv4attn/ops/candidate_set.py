@@ -6,7 +6,8 @@ token sees, in one of two forms (the metadata contract shared with ``dsv4attn.me
 * **indices form**: ``indices [num_tokens, width]`` int32 GLOBAL slot ids
   (``slot = block_id * block_size + offset``; -1 = hole) and ``lengths [num_tokens]`` int32.
   Candidate ``j`` of token ``t`` is valid iff ``j < lengths[t]`` and ``indices[t, j] >= 0``;
-  entries at or beyond ``lengths[t]`` are never read.
+  entries at or beyond ``lengths[t]`` are never read (a length beyond ``width`` means the
+  whole row).
 * **range form**: ``block_table [num_reqs, max_blocks]``, ``token_to_req [num_tokens]``,
   ``starts [num_tokens]``, ``lengths [num_tokens]`` (all int32). Token ``t`` sees entries
   ``e = starts[t] .. starts[t] + lengths[t] - 1`` of its request's stream, stored at slot

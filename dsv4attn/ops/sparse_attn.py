@@ -17,6 +17,7 @@ from dsv4attn._checks import check_tensor
 from dsv4attn.device import resolve_impl
 from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, resolve_layout
 
+_INT32_MAX = 2**31 - 1
 #: Head-count limit (DeepSeek-V4 has 64 or 128 query heads per rank at most).
 MAX_HEADS = 128
 #: Split-KV aims for this many programs per SM when the (token, head-tile) grid is small.
@@ -168,14 +169,14 @@ def _set_args(s: CandidateSet) -> list:
     """Kernel arguments of one set (dummy tensors stand in for the unused form's fields)."""
     c = s.cache
     if s.is_range:
-        idx, stride_idx = s.lengths, 0
+        idx, stride_idx, width = s.lengths, 0, _INT32_MAX
         bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
         req, start = s.token_to_req, s.starts
     else:
-        idx, stride_idx = s.indices, s.indices.stride(0)
+        idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
         bt, stride_bt, max_blocks, req, start = s.lengths, 0, 0, s.lengths, s.lengths
     return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
-            idx, stride_idx, s.lengths, bt, stride_bt, max_blocks, req, start]
+            idx, stride_idx, width, s.lengths, bt, stride_bt, max_blocks, req, start]
 
 
 def _static_width(s: CandidateSet) -> int:
