@@ -8,7 +8,6 @@ NaN-poisoned. Interpreter shapes are small; a few production-layout (448 + 64) c
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -185,11 +184,10 @@ def test_bad_inputs_raise_naming_the_argument(device):
 @pytest.mark.parametrize("num_heads", [1, 3, 8, 64, 128])
 @pytest.mark.parametrize("layout", [SMALL_LAYOUT, PROD_LAYOUT], ids=["small", "prod"])
 def test_sweep_slow(num_heads, layout, device):
-    for splits in (1, 3):
+    for splits, prefill in ((1, False), (3, False), (1, True)):
         case = (f"sweep-h{num_heads}-{layout.nope_dim}-s{splits}", num_heads, 3, layout,
                 [SetSpec("indices", True, 64, 130), SetSpec("range", True, 64, 128)], splits, "inf", 2)
         _run_case(case, device, "triton", prefill=prefill)
-    assert math.isfinite(1.0)
 
 
 @settings(max_examples=12, deadline=None)
