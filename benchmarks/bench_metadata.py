@@ -3,8 +3,10 @@
 Cases: decode batches of 64 / 256 / 1024 tokens (one token per request) and one prefill chunk of
 4096 tokens, at contexts 8K, 64K and 1M, with max_model_len = 1M (C128A row width 8192).
 Forms: "full" (engine rows, 8192 int32 per token), "real" (rows up to the real context),
-"range" (no rows). Columns: median time of ``StepMetadataBuilder.build`` (host launch overhead
-included: it is part of a step), bytes written (exact, from ``metadata_bytes_written``), GB/s.
+"range" (no rows). Columns: median time of ``StepMetadataBuilder.build`` called eagerly (host
+launch overhead included), the same build captured once in a CUDA graph and replayed (the
+device time an engine that captures its step pays; the persistent buffers make the build
+capturable), bytes written (exact, from ``metadata_bytes_written``), GB/s of the eager call.
 Block-id validation is off (as inside CUDA-graph capture); Triton and reference paths on GPU.
 
     python -m benchmarks.bench_metadata            # H200: < 60 s
@@ -29,6 +31,24 @@ def make_batch(num_reqs: int, query_len: int, context: int, cfg: MetadataConfig,
     slot_mapping = torch.arange(t, dtype=torch.int64, device=device)
     return BatchMetadata.from_requests([query_len] * num_reqs, [context] * num_reqs,
                                        {"swa": swa, "c4": mla, "c128": mla}, slot_mapping)
+
+
+def graph_replay_us(build) -> float | None:
+    """Median replay time of ``build()`` captured in a CUDA graph (None if it cannot be captured)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                build()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            build()
+    except Exception as e:  # report, do not hide: the column then reads "-"
+        print(f"graph capture failed: {type(e).__name__}: {e}")
+        return None
+    return median_us(graph.replay, warmup_ms=10, rep_ms=40)
 
 
 def _ctx(n: int) -> str:
@@ -66,11 +86,14 @@ def main() -> None:
                 for impl in impls:
                     step = b.build(batch, impl=impl)
                     us = median_us(lambda: b.build(batch, impl=impl), warmup_ms=10, rep_ms=40)
+                    graph_us = graph_replay_us(lambda: b.build(batch, impl=impl)) if (
+                        cuda and impl == "triton") else None
                     nbytes = step.total_bytes_written
                     full_bytes = nbytes if form == "full" else full_bytes
                     rows.append(Row(
                         f"{kind} T={batch.num_tokens} ctx={_ctx(context)} {form} {impl}", us, bytes=nbytes,
-                        extra={"MiB written": f"{nbytes / 2**20:.3f}",
+                        extra={"graph replay us": "-" if graph_us is None else f"{graph_us:.2f}",
+                               "MiB written": f"{nbytes / 2**20:.3f}",
                                "x fewer than full": f"{full_bytes / nbytes:.1f}" if full_bytes else "-"},
                     ))
     print_table(f"metadata build per step (max_model_len {max_len}, max_num_batched_tokens {mnbt})", rows, ceil)
