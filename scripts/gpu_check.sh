@@ -15,7 +15,7 @@ try:
 except Exception as e:
     print("transformers missing", e)
 PY
-git log -1 --format='commit %H %cd' 2>/dev/null | tee -a "$out/env.log"
+echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$out/env.log"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -rs --durations=15 tests "$@" 2>&1 | tee "$out/pytest.log"
