@@ -143,6 +143,31 @@ def test_split_kv_matches_single_pass(device):
     torch.testing.assert_close(o1.float(), o4.float(), rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("layout", [SMALL_LAYOUT, PROD_LAYOUT], ids=["small", "prod"])
+def test_fp32_query_gives_fp32_output(impl, layout, device):
+    """fp32 q -> fp32 out. Reference: computed in fp32 throughout (q never rounded to bf16):
+    within fp32 rounding of the fp64 oracle on the fp32 q (rtol 1e-4: sums of <= 200 products).
+    Triton: bf16 tensor-core products, fp32 output: within the 2x rule of the oracle on the
+    bf16-rounded q, and no bf16 rounding of the output (it differs from its own bf16 cast)."""
+    gen = torch.Generator().manual_seed(31)
+    specs = [SetSpec("indices", True, 64, 70), SetSpec("range", True, 64, 40)]
+    built = [build_set(sp, 3, [0, 0, 1], layout, gen, device) for sp in specs]
+    q = torch.randn(3, 5, layout.head_dim, generator=gen)
+    sink = make_sink(5, "finite", gen)
+    scale = layout.head_dim**-0.5
+    out, lse = sparse_mla_attention(q.to(device), [b.cset for b in built], scale, sink.to(device), impl=impl)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    if impl == "reference":
+        ref_o, ref_l = oracle(q, built, scale, sink)
+        torch.testing.assert_close(out.cpu().double(), ref_o, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse.cpu().double(), ref_l, rtol=1e-5, atol=1e-5)
+    else:
+        qb = q.bfloat16()
+        assert_matches(out, lse, oracle(qb, built, scale, sink), oracle(qb, built, scale, sink, True), "fp32 q")
+        assert not torch.equal(out.cpu(), out.cpu().bfloat16().float())
+
+
 def _valid_args(device):
     gen = torch.Generator().manual_seed(11)
     a = build_set(SetSpec("indices", True, 16, 8), 2, [0, 0], SMALL_LAYOUT, gen, device)
@@ -153,7 +178,9 @@ def _valid_args(device):
 def test_bad_inputs_raise_naming_the_argument(device):
     q, s = _valid_args(device)
     with pytest.raises(TypeError, match="q"):
-        sparse_mla_attention(q.float(), [s], 0.1)
+        sparse_mla_attention(q.half(), [s], 0.1)
+    with pytest.raises(TypeError, match="out"):
+        sparse_mla_attention(q.float(), [s], 0.1, out=torch.empty(q.shape, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="heads"):
         sparse_mla_attention(torch.zeros(2, 129, q.shape[2], dtype=torch.bfloat16, device=device), [s], 0.1)
     with pytest.raises(ValueError, match="sets"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4attn.kernels.sparse_attn import _finish, _load_k, _online_update
+from dsv4attn.kernels.sparse_attn import _attend_chunk, _finish, _load_q_part
 
 #: Larger than any entry position (int32); constexpr because compiled Triton reads only those.
 _BIG = tl.constexpr(2147483647)
@@ -22,12 +22,12 @@ _BIG = tl.constexpr(2147483647)
 
 @triton.jit
 def _shared_range_pass(
-    q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+    q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
     cache_ptr, stride_blk, stride_entry, block_size, capacity,
     len_ptr, bt_ptr, stride_bt, max_blocks, req_ptr, start_ptr, qk_scale,
-    IS_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+    IS_FP8: tl.constexpr, NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+    TAIL: tl.constexpr, R: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Attend the rows ``tok`` (one token per row) to their ranges of one range-form set."""
     r_len = tl.load(len_ptr + tok, mask=row_ok, other=0)
@@ -53,13 +53,14 @@ def _shared_range_pass(
                 slot = blk.to(tl.int64) * block_size + e % block_size
                 ok = ok & (slot < capacity)
                 slot = tl.where(ok, slot, 0)
-                k = _load_k(cache_ptr, slot // block_size, slot % block_size, ok, stride_blk, stride_entry, block_size,
-                            IS_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_N)
                 mask = (rows[:, None] & ok[None, :] & (e[None, :] >= r_start[:, None])
                         & (e[None, :] < r_end[:, None]))
-                m_i, l_i, acc = _online_update(q, k, mask, m_i, l_i, acc, qk_scale, CPU_INTERP)
+                a0, a1, a2, a3, m_i, l_i = _attend_chunk(
+                    q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask,
+                    cache_ptr, slot // block_size, slot % block_size, ok, stride_blk, stride_entry, block_size,
+                    qk_scale, IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_N, CPU_INTERP)
             done = done | rows.to(tl.int32)
-    return m_i, l_i, acc
+    return a0, a1, a2, a3, m_i, l_i
 
 
 @triton.jit
@@ -74,10 +75,11 @@ def _sparse_mla_prefill_kernel(
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
     b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
     num_tokens, num_heads, qk_scale, split_base, total_splits,
-    HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, D_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NOPE: tl.constexpr,
+    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, Z0: tl.constexpr, Z1: tl.constexpr, Z2: tl.constexpr,
+    TAIL: tl.constexpr, R: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     A_FP8: tl.constexpr, HAS_B: tl.constexpr, B_FP8: tl.constexpr,
-    HAS_SINK: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    HAS_SINK: tl.constexpr, WRITE_PARTIAL: tl.constexpr, OUT_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(cdiv(num_tokens, BLOCK_M), cdiv(num_heads, BLOCK_H))``; rows = BLOCK_M tokens x
@@ -91,25 +93,29 @@ def _sparse_mla_prefill_kernel(
     tok = tl.where(row_ok, tok, 0)
     head = tl.where(row_ok, head, 0)
     tok64 = tok.to(tl.int64)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + (tok64 * stride_q_t + head * stride_q_h)[:, None] + tl.where(d_ok, d, 0)[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_off = tok64 * stride_q_t + head * stride_q_h
+    q0 = _load_q_part(q_ptr, q_off, row_ok, 0, P0, Z0, CPU_INTERP)
+    q1 = _load_q_part(q_ptr, q_off, row_ok, P0, P1, Z1, CPU_INTERP)
+    q2 = _load_q_part(q_ptr, q_off, row_ok, P0 + P1, P2, Z2, CPU_INTERP)
+    q3 = _load_q_part(q_ptr, q_off, row_ok, NOPE, TAIL, R, CPU_INTERP)
+    a0 = tl.zeros((ROWS, Z0), tl.float32)
+    a1 = tl.zeros((ROWS, Z1), tl.float32)
+    a2 = tl.zeros((ROWS, Z2), tl.float32)
+    a3 = tl.zeros((ROWS, R), tl.float32)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D_PAD), tl.float32)
-    m_i, l_i, acc = _shared_range_pass(
-        q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+    a0, a1, a2, a3, m_i, l_i = _shared_range_pass(
+        q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
         a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr, qk_scale,
-        A_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_M, BLOCK_N, CPU_INTERP)
+        A_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_M, BLOCK_N, CPU_INTERP)
     if HAS_B:
-        m_i, l_i, acc = _shared_range_pass(
-            q, m_i, l_i, acc, tok, row_ok, t0, num_tokens,
+        a0, a1, a2, a3, m_i, l_i = _shared_range_pass(
+            q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
             b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
             b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr, qk_scale,
-            B_FP8, HEAD_DIM, NOPE, D_PAD, DATA_BYTES, SCALE_BYTES, NUM_TILES, TILE, BLOCK_M, BLOCK_N, CPU_INTERP)
-    _finish(acc, m_i, l_i, row_ok, tok64 * stride_o_t + head * stride_o_h, tok64 * stride_lse_t + head,
+            B_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_M, BLOCK_N, CPU_INTERP)
+    _finish(a0, a1, a2, a3, m_i, l_i, row_ok, tok64 * stride_o_t + head * stride_o_h, tok64 * stride_lse_t + head,
             tok64 * stride_lse_t + head, (tok64 * total_splits + split_base) * num_heads + head,
-            sink_ptr + head, out_ptr, lse_ptr, lse_ptr, part_o_ptr, part_lse_ptr, d, d_ok,
-            HAS_SINK, False, WRITE_PARTIAL, D_PAD, CPU_INTERP)
+            sink_ptr + head, out_ptr, lse_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+            HEAD_DIM, NOPE, P0, P1, P2, Z0, Z1, Z2, TAIL, R, HAS_SINK, False, WRITE_PARTIAL, OUT_BF16, CPU_INTERP)

@@ -28,8 +28,6 @@ _MAX_SPLITS = 16
 #: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
 _PREFILL_ROWS = 64
 _PREFILL_MAX_HEADS = 32
-#: Shared memory per block (bytes) below which the kernels run single-stage.
-_TWO_STAGE_SMEM = 160 * 1024
 #: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
 _COMBINE_BLOCK_H = 16
 
@@ -49,13 +47,15 @@ def kernel_config(
     num_tokens: int, num_heads: int, head_dim: int, max_candidates: int, device: torch.device,
     num_splits: int | None = None,
 ) -> KernelConfig:
-    """Pick tile sizes: all heads of a 64-head tile share one dequantisation per entry; split-KV
-    only when ``num_tokens * head_tiles`` cannot fill the GPU."""
-    d_pad = max(64, 1 << (head_dim - 1).bit_length())
+    """Pick tile sizes (edit here to retune; ``benchmarks/bench_sparse_attn.py --sweep`` times
+    the alternatives). All heads of a tile share one dequantisation per entry (h = 128 runs two
+    64-head tiles, i.e. dequantises each entry twice); split-KV only when ``num_tokens *
+    head_tiles`` cannot fill the GPU. Small head tiles run 4 warps (Triton 3.6 miscompiled the
+    16-head tile at 8 warps with 16-wide chunks)."""
     block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
-    # [64, 512] fp32 accumulators take 128 registers/thread at 8 warps: small candidate chunks
-    # keep the dequantised tile's registers down (sm90 ptxas: BLOCK_N 16 spills least).
-    block_n = 16 if d_pad >= 512 else 32 if d_pad >= 256 else 64
+    block_n = 32 if head_dim > 256 else 64
+    num_warps = 8 if block_h >= 64 and head_dim > 128 else 4
+    num_stages = 1
     if num_splits is None:
         num_splits = 1
         if device.type == "cuda":
@@ -64,14 +64,31 @@ def kernel_config(
             if progs < sms:
                 num_splits = min(math.ceil(_PROGRAMS_PER_SM * sms / progs), _MAX_SPLITS,
                                  max(1, math.ceil(max_candidates / block_n)))
-    num_warps = 8 if d_pad >= 256 else 4
-    num_stages = 2 if d_pad >= 256 else 1
-    if device.type == "cuda" and num_stages > 1:
-        # Two stages need ~92-110 KB of shared memory at head_dim 512; sm86/89/120 offer ~99 KB.
-        props = torch.cuda.get_device_properties(device)
-        if getattr(props, "shared_memory_per_block_optin", 0) < _TWO_STAGE_SMEM:
-            num_stages = 1
     return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages)
+
+
+def geometry(head_dim: int, nope_dim: int | None) -> dict:
+    """Head-dim parts of the kernels (see :mod:`dsv4attn.kernels.sparse_attn`): NoPE dims
+    ``[0, nope)`` cut into at most three power-of-two parts of 64..256 dims (448 = 256 + 128 +
+    64), the tail ``[nope, head_dim)`` as one part padded to a power of two >= 16. ``nope_dim``
+    comes from the fp8 layout; ``None`` (bf16 pages only): the largest multiple of 64.
+    Raises ``ValueError`` when the NoPE dims need more than three parts or the tail exceeds 64."""
+    nope = nope_dim if nope_dim is not None else head_dim // 64 * 64
+    tail = head_dim - nope
+    parts, left = [], nope // 64
+    while left:
+        p = min(4, 1 << (left.bit_length() - 1))
+        parts.append(64 * p)
+        left -= p
+    if len(parts) > 3 or tail > 64:
+        raise ValueError(f"head_dim {head_dim} with {nope} NoPE dims is not supported by the kernels "
+                         "(at most 3 power-of-two NoPE parts of <= 256 dims and <= 64 tail dims)")
+    parts += [0] * (3 - len(parts))
+    return dict(
+        HEAD_DIM=head_dim, NOPE=nope, P0=parts[0], P1=parts[1], P2=parts[2],
+        Z0=parts[0] or 16, Z1=parts[1] or 16, Z2=parts[2] or 16,
+        TAIL=tail, R=max(16, 1 << max(0, tail - 1).bit_length()),
+    )
 
 
 def sparse_mla_attention(
@@ -87,13 +104,16 @@ def sparse_mla_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention (V == K) with an optional per-head attention sink.
 
-    q ``[num_tokens, num_heads, head_dim]`` bf16 (1 <= num_heads <= 128; head_dim and the
-    NoPE/RoPE split come from the caches: production 448 + 64); ``sets``: one or two
+    q ``[num_tokens, num_heads, head_dim]`` bf16 or fp32 (1 <= num_heads <= 128; head_dim and
+    the NoPE/RoPE split come from the caches: production 448 + 64); ``sets``: one or two
     :class:`CandidateSet` (e.g. the SWA window and the compressed C4A/C128A entries);
     ``attn_sink [num_heads]`` fp32 or ``None``; ``out`` an optional preallocated
-    ``[num_tokens, num_heads, head_dim]`` bf16 output (last dim contiguous).
+    ``[num_tokens, num_heads, head_dim]`` output of q's dtype (last dim contiguous).
 
-    Returns ``(out [num_tokens, num_heads, head_dim] bf16, lse [num_tokens, num_heads] fp32)``:
+    Returns ``(out [num_tokens, num_heads, head_dim] q.dtype, lse [num_tokens, num_heads] fp32)``.
+    fp32 q: the Triton path still multiplies on bf16 tensor cores (q and the probabilities
+    rounded to bf16, fp32 accumulation) but writes the output unrounded in fp32; the reference
+    path computes and returns fp32 throughout. Semantics:
     for each token and head, logits ``softmax_scale * q . k_j`` over the valid candidates of
     all sets (one softmax; duplicates count twice), ``out = sum_j p_j k_j`` over all head_dim
     dims, ``lse`` the natural-log logsumexp. With a sink, ``out *= 1 / (1 + exp(sink_h -
@@ -122,7 +142,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Shared body of the op and the FlashMLA entry points; ``want_max`` also returns the max
     logit per (token, head) (-inf for empty rows)."""
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     if not 1 <= num_heads <= MAX_HEADS:
         raise ValueError(f"q must have 1..{MAX_HEADS} heads, got shape {tuple(q.shape)}")
@@ -140,10 +160,11 @@ def _forward(
         raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
     if any(lay.rope_dim > lay.tile for lay in fp8_layouts):
         raise ValueError(f"fp8 layouts with rope_dim > 64 are not supported, got {fp8_layouts}")
+    geometry(head_dim, next(iter(fp8_layouts)).nope_dim if fp8_layouts else None)  # raises if unsupported
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(num_heads,), device=device)
     if out is not None:
-        check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, num_heads, head_dim), device=device)
+        check_tensor("out", out, dtype=q.dtype, shape=(num_tokens, num_heads, head_dim), device=device)
         if out.stride(2) != 1:
             raise ValueError(f"out last dim must be contiguous, got strides {out.stride()}")
     if not isinstance(prefill, bool):
@@ -152,7 +173,7 @@ def _forward(
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     path = resolve_impl(impl, device)
     if out is None:
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
     if path == "reference":
         from dsv4attn.reference.sparse_attn import sparse_mla_forward_ref
 
@@ -208,16 +229,12 @@ def _launch(
     num_tokens, num_heads, head_dim = q.shape
     lays = [resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets)]
     lay = next((x for x in lays if x is not None), None)
-    nope = lay.nope_dim if lay else head_dim
     geo = dict(
-        HEAD_DIM=head_dim, NOPE=nope,
-        # fp8 tiles: NoPE tiles + one tile holding the RoPE dims (see _load_k), padded to a power of 2.
-        D_PAD=max(64, triton.next_power_of_2(nope + 64 if lay else head_dim)),
+        geometry(head_dim, lay.nope_dim if lay else None),
         DATA_BYTES=lay.data_bytes if lay else 0, SCALE_BYTES=lay.scale_bytes if lay else 0,
-        NUM_TILES=lay.num_tiles if lay else 0, TILE=64,
+        OUT_BF16=out.dtype == torch.bfloat16,
         CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
     )
-    d_pad = geo["D_PAD"]
     cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
                                   num_splits)
     sink = attn_sink if attn_sink is not None else lse
@@ -233,7 +250,7 @@ def _launch(
     if total > 1:
         if max_logits is not None:
             raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = torch.empty(num_tokens * total * num_heads * d_pad, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_tokens * total * num_heads * head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = lse
@@ -252,8 +269,8 @@ def _launch(
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
             num_heads, total,
-            HEAD_DIM=head_dim, D_PAD=d_pad, HAS_SINK=attn_sink is not None,
-            BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
+            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HAS_SINK=attn_sink is not None,
+            OUT_BF16=geo["OUT_BF16"], BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
             num_warps=4,
         )
 

@@ -77,8 +77,9 @@ def sparse_mla_attention_ref(
     attn_sink: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``sparse_mla_attention``: q ``[T, H, D]`` bf16 -> (out ``[T, H, D]`` bf16,
-    lse ``[T, H]`` fp32). Inputs are assumed validated (the op validates)."""
+    """Reference of ``sparse_mla_attention``: q ``[T, H, D]`` bf16 or fp32 -> (out ``[T, H, D]``
+    of q's dtype, lse ``[T, H]`` fp32); computed in fp32 (an fp32 q is never rounded to bf16).
+    Inputs are assumed validated (the op validates)."""
     return sparse_mla_forward_ref(q, sets, softmax_scale, attn_sink, out, want_max=False)[:2]
 
 
@@ -94,7 +95,7 @@ def sparse_mla_forward_ref(
     rows) when ``want_max``."""
     num_tokens, num_heads, head_dim = q.shape
     if out is None:
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     lse_out = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     max_out = torch.empty_like(lse_out) if want_max else None
     layouts = [resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets)]
@@ -109,7 +110,7 @@ def sparse_mla_forward_ref(
         k = torch.cat(ks, dim=1)  # [n, W, D] fp32
         valid = torch.cat(valids, dim=1)  # [n, W]
         o, lse, mx = _attend(q[rows].float(), k, valid, softmax_scale, attn_sink)
-        out[rows] = o.to(torch.bfloat16)
+        out[rows] = o.to(out.dtype)
         lse_out[rows] = lse
         if max_out is not None:
             max_out[rows] = mx
