@@ -7,7 +7,7 @@ bytes per token N*584 + N*4 + Q + O + LSE (decode: nothing shared between tokens
 unique KV bytes, i.e. perfect reuse) and flops 2*h*N*(512+512).
 
     python -m benchmarks.bench_sparse_attn            # H200: full table (< 2 minutes)
-    python -m benchmarks.bench_sparse_attn --sweep    # + tile-config sweep for decode h64 B256
+    python -m benchmarks.bench_sparse_attn --sweep    # + kernel-config sweep, decode h64/h128 B256
     python -m benchmarks.bench_sparse_attn --smoke    # tiny, runs on CPU (reference path)
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from benchmarks.common import Ceilings, Row, base_parser, floor_us, median_us, print_table
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import fp8_ds_mla_view
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, sparse_mla_attention
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config, sparse_mla_attention
 
 D = LAYOUT.head_dim  # 512
 SCALE = D**-0.5
@@ -102,30 +102,40 @@ def prefill_sets(num_tokens: int, context: int, topk: int, device):
     return [c4a, swa], unique
 
 
-def sweep(q, sets, rows):
-    """Time a few tile configs of the decode kernel (for tuning on the GPU)."""
+#: Kernel configs timed by ``--sweep``: (BLOCK_H, BLOCK_N, num_warps, num_stages).
+SWEEP_CONFIGS = [(bh, bn, w, st) for bh in (64, 32) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
+
+
+def sweep(q, sets, ceil: Ceilings) -> list[Row]:
+    """Time the decode kernel configs of SWEEP_CONFIGS (split-KV factor of the default config);
+    prints one line per config as it goes (us and % of floor) and returns the rows."""
     num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(num_tokens, num_heads, device=q.device)
     sink = torch.zeros(num_heads, device=q.device)
-    for block_n in (16, 32, 64):
-        for warps in (8,):
-            for stages in (1, 2):
-                for splits in (1, 2):
-                    cfg = KernelConfig(min(64, num_heads), block_n, splits, warps, stages)
-                    try:
-                        us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
-                                       warmup_ms=5, rep_ms=20)
-                    except Exception as e:  # noqa: BLE001 - report configs that fail to compile
-                        print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:80]}")
-                        continue
-                    rows.append(Row(f"sweep h{num_heads} B{num_tokens} n{block_n} w{warps} s{stages} k{splits}", us,
-                                    flops(num_tokens, num_heads, 640), decode_bytes(num_tokens, num_heads, 640)))
+    n = sum(s.lengths.max().item() for s in sets)
+    base = kernel_config(num_tokens, num_heads, D, n, q.device)
+    rows = []
+    print(f"sweep decode h{num_heads} B{num_tokens} (default {base}):", flush=True)
+    for bh, bn, w, st in SWEEP_CONFIGS:
+        splits = base.num_splits  # 1 at B = 256 (the grid fills the GPU)
+        cfg = KernelConfig(bh, bn, splits, w, st)
+        try:
+            us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
+        except Exception as e:  # noqa: BLE001 - report configs that fail to compile or launch
+            print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        row = Row(f"sweep h{num_heads} B{num_tokens} bh{bh} n{bn} w{w} s{st} k{splits}", us,
+                  flops(num_tokens, num_heads, n), decode_bytes(num_tokens, num_heads, n))
+        print(f"  BLOCK_H={bh} BLOCK_N={bn} warps={w} stages={st} splits={splits}: {us:8.1f} us "
+              f"{100 * floor_us(row, ceil) / us:5.1f}% of floor", flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--sweep", action="store_true", help="also sweep tile configs for decode h64 B256")
+    p.add_argument("--sweep", action="store_true", help="also sweep kernel configs for decode h64/h128 B256")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -140,8 +150,8 @@ def main() -> None:
             q = torch.randn(b, h, D, device=device).to(torch.bfloat16)
             sets = [disjoint_indices(b, topk, device), per_request_range(b, SWA_WINDOW, SWA_BLOCK, device)]
             run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows)
-            if args.sweep and h == 64 and b == 256:
-                sweep(q, sets, rows)
+            if args.sweep and b == 256:
+                rows += sweep(q, sets, ceil)
             if h == heads[0] and b == batches[0]:
                 run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows,
                          impl="reference")
