@@ -28,6 +28,9 @@ _MAX_SPLITS = 16
 #: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
 _PREFILL_ROWS = 64
 _PREFILL_MAX_HEADS = 32
+#: Prefill kernel launch (64-row tiles): 4 warps spill ~3x more than 8 on sm90.
+_PREFILL_BLOCK_N = 32
+_PREFILL_WARPS = 8
 #: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
 _COMBINE_BLOCK_H = 16
 
@@ -53,8 +56,11 @@ def kernel_config(
     head_tiles`` cannot fill the GPU. Small head tiles run 4 warps (Triton 3.6 miscompiled the
     16-head tile at 8 warps with 16-wide chunks)."""
     block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
+    # sm90 ptxas at 448 + 64 (scripts/sm90_report.py): 64-head tiles at 8 warps use 255
+    # registers with 56-64 bytes of spills at BLOCK_N 16/32 (244 at 64, more with 2 stages or 4
+    # warps); 32-head tiles at 8 warps and 16-head tiles at 4 warps do not spill.
     block_n = 32 if head_dim > 256 else 64
-    num_warps = 8 if block_h >= 64 and head_dim > 128 else 4
+    num_warps = 8 if block_h >= 32 and head_dim > 128 else 4
     num_stages = 1
     if num_splits is None:
         num_splits = 1
@@ -331,6 +337,6 @@ def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scal
         num_tokens, num_heads, qk_scale, split_base, total,
         A_FP8=a.is_fp8, HAS_B=len(sets) > 1, B_FP8=b.is_fp8,
         HAS_SINK=has_sink, WRITE_PARTIAL=total > 1,
-        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
+        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=_PREFILL_BLOCK_N,
+        num_warps=_PREFILL_WARPS, num_stages=1, **geo,
     )
