@@ -130,6 +130,14 @@ def sweep(q, sets, ceil: Ceilings) -> list[Row]:
         print(f"  BLOCK_H={bh} BLOCK_N={bn} warps={w} stages={st} splits={splits}: {us:8.1f} us "
               f"{100 * floor_us(row, ceil) / us:5.1f}% of floor", flush=True)
         rows.append(row)
+    for splits in (2, 3, 4):  # split-KV also evens out the last wave (B * tiles / SMs programs)
+        cfg = KernelConfig(base.block_h, base.block_n, splits, base.num_warps, base.num_stages)
+        us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
+        row = Row(f"sweep h{num_heads} B{num_tokens} default k{splits}", us, flops(num_tokens, num_heads, n),
+                  decode_bytes(num_tokens, num_heads, n))
+        print(f"  default with splits={splits}: {us:8.1f} us {100 * floor_us(row, ceil) / us:5.1f}% of floor",
+              flush=True)
+        rows.append(row)
     return rows
 
 

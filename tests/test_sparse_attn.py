@@ -25,7 +25,7 @@ from test_sparse_attn_helpers import (
 )
 
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, sparse_mla_attention
 
 # (id, num_heads, num_tokens, layout, set specs, num_splits, sink kind, num_reqs)
 CASES = [
@@ -215,6 +215,33 @@ def test_sweep_slow(num_heads, layout, device):
         case = (f"sweep-h{num_heads}-{layout.nope_dim}-s{splits}", num_heads, 3, layout,
                 [SetSpec("indices", True, 64, 130), SetSpec("range", True, 64, 128)], splits, "inf", 2)
         _run_case(case, device, "triton", prefill=prefill)
+
+
+#: Kernel configs (BLOCK_H, BLOCK_N, num_warps, num_stages) that must all be correct: the
+#: defaults and the alternatives that benchmarks/bench_sparse_attn.py --sweep times. The first
+#: one (16-head tile at 8 warps, 16-wide chunks) miscompiled on Triton 3.6 with the previous kernel.
+CONFIGS = [(16, 16, 8, 2), (16, 32, 4, 1), (16, 32, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1),
+           (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_heads", [3, 64])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["bh%d-n%d-w%d-s%d" % c for c in CONFIGS])
+def test_kernel_configs_prod_layout(cfg, num_heads, device):
+    """Every kernel config gives correct results at the production layout (splits 1 and 2)."""
+    gen = torch.Generator().manual_seed(77 + num_heads)
+    specs = [SetSpec("indices", True, 64, 70), SetSpec("range", True, 64, 40)]
+    built = [build_set(sp, 2, [0, 1], PROD_LAYOUT, gen, device) for sp in specs]
+    q = torch.randn(2, num_heads, PROD_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    sink = make_sink(num_heads, "inf", gen)
+    scale = PROD_LAYOUT.head_dim**-0.5 * 2.0
+    ref, base = oracle(q, built, scale, sink), oracle(q, built, scale, sink, True)
+    for splits in (1, 2):
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
+        _launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None,
+                KernelConfig(cfg[0], cfg[1], splits, cfg[2], cfg[3]))
+        assert_matches(out, lse, ref, base, f"config {cfg} splits {splits}")
 
 
 @settings(max_examples=12, deadline=None)
