@@ -166,6 +166,11 @@ def test_fp32_query_gives_fp32_output(impl, layout, device):
         qb = q.bfloat16()
         assert_matches(out, lse, oracle(qb, built, scale, sink), oracle(qb, built, scale, sink, True), "fp32 q")
         assert not torch.equal(out.cpu(), out.cpu().bfloat16().float())
+        for kw in (dict(num_splits=2), dict(prefill=True)):  # the combine and prefill kernels' fp32 writes
+            o2, l2 = sparse_mla_attention(q.to(device), [b.cset for b in built], scale, sink.to(device), impl=impl,
+                                          **kw)
+            assert o2.dtype == torch.float32
+            assert_matches(o2, l2, oracle(qb, built, scale, sink), oracle(qb, built, scale, sink, True), f"fp32 {kw}")
 
 
 def _valid_args(device):
