@@ -106,8 +106,9 @@ def prefill_sets(num_tokens: int, context: int, topk: int, device):
 SWEEP_CONFIGS = [(bh, bn, w, st) for bh in (64, 32) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
 
 
-def sweep(q, sets, ceil: Ceilings) -> list[Row]:
-    """Time the decode kernel configs of SWEEP_CONFIGS (split-KV factor of the default config);
+def sweep(q, sets, ceil: Ceilings, configs=None) -> list[Row]:
+    """Time the decode kernel ``configs`` (default SWEEP_CONFIGS; split-KV factor of the default
+    config), then the default config at several split-KV factors;
     prints one line per config as it goes (us and % of floor) and returns the rows."""
     num_tokens, num_heads, _ = q.shape
     out = torch.empty_like(q)
@@ -117,7 +118,7 @@ def sweep(q, sets, ceil: Ceilings) -> list[Row]:
     base = kernel_config(num_tokens, num_heads, D, n, q.device)
     rows = []
     print(f"sweep decode h{num_heads} B{num_tokens} (default {base}):", flush=True)
-    for bh, bn, w, st in SWEEP_CONFIGS:
+    for bh, bn, w, st in SWEEP_CONFIGS if configs is None else configs:
         splits = base.num_splits  # 1 at B = 256 (the grid fills the GPU)
         cfg = KernelConfig(bh, bn, splits, w, st)
         try:
@@ -130,7 +131,7 @@ def sweep(q, sets, ceil: Ceilings) -> list[Row]:
         print(f"  BLOCK_H={bh} BLOCK_N={bn} warps={w} stages={st} splits={splits}: {us:8.1f} us "
               f"{100 * floor_us(row, ceil) / us:5.1f}% of floor", flush=True)
         rows.append(row)
-    for splits in (2, 3, 4):  # split-KV also evens out the last wave (B * tiles / SMs programs)
+    for splits in (1, 2, 3, 4, 6):  # split-KV also evens out the last wave (B * tiles / SMs programs)
         cfg = KernelConfig(base.block_h, base.block_n, splits, base.num_warps, base.num_stages)
         us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
         row = Row(f"sweep h{num_heads} B{num_tokens} default k{splits}", us, flops(num_tokens, num_heads, n),
@@ -160,6 +161,8 @@ def main() -> None:
             run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows)
             if args.sweep and b == 256:
                 rows += sweep(q, sets, ceil)
+            elif args.sweep and b == 64:
+                rows += sweep(q, sets, ceil, configs=[])  # split-KV factors only
             if h == heads[0] and b == batches[0]:
                 run_case(f"decode C4A {topk}+{SWA_WINDOW} h{h} B{b}", q, sets, topk + SWA_WINDOW, rows,
                          impl="reference")

@@ -25,7 +25,7 @@ from test_sparse_attn_helpers import (
 )
 
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, sparse_mla_attention
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, pick_splits, sparse_mla_attention
 
 # (id, num_heads, num_tokens, layout, set specs, num_splits, sink kind, num_reqs)
 CASES = [
@@ -171,6 +171,15 @@ def test_fp32_query_gives_fp32_output(impl, layout, device):
                                           **kw)
             assert o2.dtype == torch.float32
             assert_matches(o2, l2, oracle(qb, built, scale, sink), oracle(qb, built, scale, sink, True), f"fp32 {kw}")
+
+
+def test_pick_splits_fills_waves():
+    """Split-KV model on 132 SMs: a half-full grid splits in 2, a full one stays whole, a tiny
+    one takes the cap; never more than the cap."""
+    assert pick_splits(64, 132, 16) == 2
+    assert pick_splits(128, 132, 16) == 1 and pick_splits(256, 132, 16) == 1
+    assert pick_splits(1, 132, 16) == 16 and pick_splits(1, 132, 3) == 3
+    assert all(1 <= pick_splits(n, 132, 5) <= 5 for n in range(1, 600))
 
 
 def _valid_args(device):

@@ -20,8 +20,8 @@ from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, resolv
 _INT32_MAX = 2**31 - 1
 #: Head-count limit (DeepSeek-V4 has 64 or 128 query heads per rank at most).
 MAX_HEADS = 128
-#: Split-KV aims for this many programs per SM when the (token, head-tile) grid is small.
-_PROGRAMS_PER_SM = 2
+#: Cost of one split-KV split (partial write + combine read) relative to one unsplit program.
+_SPLIT_OVERHEAD = 0.15
 #: Most candidate splits a token is cut into (each costs a partial write + read of h*D fp32).
 _MAX_SPLITS = 16
 #: Rows (tokens x heads) of one prefill tile; the shared-range kernel is used up to this many
@@ -67,10 +67,22 @@ def kernel_config(
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
-            if progs < sms:
-                num_splits = min(math.ceil(_PROGRAMS_PER_SM * sms / progs), _MAX_SPLITS,
-                                 max(1, math.ceil(max_candidates / block_n)))
+            num_splits = pick_splits(progs, sms, min(_MAX_SPLITS, max(1, math.ceil(max_candidates / block_n))))
     return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages)
+
+
+def pick_splits(programs: int, slots: int, max_splits: int) -> int:
+    """Split-KV factor in ``1..max_splits`` with the least modelled time for ``programs``
+    (token, head-tile) programs on ``slots`` concurrent program slots (one per SM: the 448 + 64
+    kernels use all registers): ``waves(s) * (1 / s + overhead)``, where the overhead of a split
+    (fp32 partial write + combine read, L2-resident) is ``_SPLIT_OVERHEAD`` of one unsplit
+    program. Ties go to fewer splits. E.g. 132 SMs: 64 programs -> 2, 128 or 256 -> 1, 1 -> 16."""
+    best, best_cost = 1, float(math.ceil(programs / slots))
+    for s in range(2, max_splits + 1):
+        cost = math.ceil(programs * s / slots) * (1.0 / s + _SPLIT_OVERHEAD)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
 
 
 def geometry(head_dim: int, nope_dim: int | None) -> dict:
