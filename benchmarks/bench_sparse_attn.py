@@ -131,13 +131,14 @@ def sweep(q, sets, ceil: Ceilings, configs=None) -> list[Row]:
         print(f"  BLOCK_H={bh} BLOCK_N={bn} warps={w} stages={st} splits={splits}: {us:8.1f} us "
               f"{100 * floor_us(row, ceil) / us:5.1f}% of floor", flush=True)
         rows.append(row)
-    for splits in (1, 2, 3, 4, 6):  # split-KV also evens out the last wave (B * tiles / SMs programs)
-        cfg = KernelConfig(base.block_h, base.block_n, splits, base.num_warps, base.num_stages)
+    variants = [(k, False) for k in (1, 2, 3, 4, 6)] + [(base.num_splits, True)]
+    for splits, lazy in variants:  # split-KV also evens out the last wave (B * tiles / SMs programs)
+        cfg = KernelConfig(base.block_h, base.block_n, splits, base.num_warps, base.num_stages, lazy)
         us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
-        row = Row(f"sweep h{num_heads} B{num_tokens} default k{splits}", us, flops(num_tokens, num_heads, n),
-                  decode_bytes(num_tokens, num_heads, n))
-        print(f"  default with splits={splits}: {us:8.1f} us {100 * floor_us(row, ceil) / us:5.1f}% of floor",
-              flush=True)
+        row = Row(f"sweep h{num_heads} B{num_tokens} default k{splits}" + (" lazy" if lazy else ""), us,
+                  flops(num_tokens, num_heads, n), decode_bytes(num_tokens, num_heads, n))
+        print(f"  default with splits={splits}{' lazy_rescale' if lazy else ''}: {us:8.1f} us "
+              f"{100 * floor_us(row, ceil) / us:5.1f}% of floor", flush=True)
         rows.append(row)
     return rows
 

@@ -35,7 +35,8 @@ from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config, spars
 
 #: (BLOCK_H, BLOCK_N, num_warps, num_stages); the first is the config that failed on Triton 3.6.
 CONFIGS = [(16, 16, 8, 2), (16, 16, 4, 1), (16, 32, 4, 1), (16, 32, 8, 1), (16, 64, 4, 1), (32, 32, 4, 1),
-           (32, 64, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1)]
+           (32, 32, 8, 1), (32, 64, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1),
+           (64, 32, 4, 1)]
 COMBOS = {
     "idx": [SetSpec("indices", True, 64, 130)],
     "range": [SetSpec("range", True, 64, 128)],
@@ -93,8 +94,11 @@ def main() -> None:
                 for bh, bn, w, st in configs:
                     runs_here.append((f"bh{bh} n{bn} w{w} s{st}", KernelConfig(bh, bn, splits, w, st), False))
                 d = default
-                runs_here.append((f"default bh{d.block_h} n{d.block_n} w{d.num_warps} s{d.num_stages}",
-                                  KernelConfig(d.block_h, d.block_n, splits, d.num_warps, d.num_stages), False))
+                for lazy in (False, True):
+                    runs_here.append((f"default bh{d.block_h} n{d.block_n} w{d.num_warps} s{d.num_stages}"
+                                      + (" lazy" if lazy else ""),
+                                      KernelConfig(d.block_h, d.block_n, splits, d.num_warps, d.num_stages, lazy),
+                                      False))
             for label, cfg, prefill in runs_here:
                 try:
                     if label == "reference":

@@ -86,9 +86,9 @@ def geo() -> dict:
                 CPU_INTERP=False)
 
 
-def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool = True) -> dict:
+def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool = True, lazy: bool = False) -> dict:
     return dict(geo(), OUT_BF16=out_bf16, A_FP8=True, A_RANGE=False, HAS_B=True, B_FP8=True, B_RANGE=True,
-                HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n)
+                HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n, LAZY=lazy)
 
 
 def main() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm90; production layout {LAY.nope_dim}+{LAY.rope_dim}")
     if args.quick:
-        grid = [(64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1)]
+        grid = [(64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
     else:
         grid = [(bh, bn, w, st) for bh in (64, 32, 16) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
     print("decode kernel (C4A indices + SWA range, sink, final write):")
@@ -110,6 +110,10 @@ def main() -> None:
     print(f"  partial  BLOCK_H=64 BLOCK_N=32 warps=8: regs {r['regs']} spills {r['spills']} smem {r['smem']}")
     r = compile_report(_sparse_mla_attn_kernel, decode_constexprs(64, 32, False, False), 8, 1, q_dtype="fp32")
     print(f"  fp32 q   BLOCK_H=64 BLOCK_N=32 warps=8: regs {r['regs']} spills {r['spills']} smem {r['smem']}")
+    for bh, bn, w in ((64, 32, 8), (16, 32, 4)):
+        r = compile_report(_sparse_mla_attn_kernel, decode_constexprs(bh, bn, False, lazy=True), w, 1)
+        print(f"  lazy rescale BLOCK_H={bh} BLOCK_N={bn} warps={w}: regs {r['regs']} spills {r['spills']} "
+              f"smem {r['smem']}")
     print("prefill kernel (two range sets, 64 rows):")
     for bm, bh, bn, w in ((8, 8, 32, 8), (8, 8, 32, 4), (64, 1, 32, 8), (2, 32, 32, 8), (8, 8, 64, 8)):
         c = dict(geo(), OUT_BF16=True, A_FP8=True, HAS_B=True, B_FP8=True, HAS_SINK=True, WRITE_PARTIAL=False,

@@ -173,6 +173,25 @@ def test_fp32_query_gives_fp32_output(impl, layout, device):
             assert_matches(o2, l2, oracle(qb, built, scale, sink), oracle(qb, built, scale, sink, True), f"fp32 {kw}")
 
 
+@pytest.mark.parametrize("num_heads", [3, 20])
+def test_lazy_rescale_matches_oracle(num_heads, device):
+    """Lazy online-softmax rescaling: sharp logits (scale 0.6: maxima jump by more and by less
+    than 2^8 between chunks), empty rows, -1 holes, splits 1 and 3, +-inf sinks."""
+    gen = torch.Generator().manual_seed(41 + num_heads)
+    specs = [SetSpec("indices", True, 16, 90), SetSpec("range", False, 16, 50)]
+    built = [build_set(sp, 4, [0, 0, 1, 1], SMALL_LAYOUT, gen, device, lengths=lens)
+             for sp, lens in zip(specs, ([90, 0, 37, 5], [50, 0, 0, 33]))]
+    q = torch.randn(4, num_heads, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    sink = make_sink(num_heads, "inf", gen)
+    ref, base = oracle(q, built, 0.6, sink), oracle(q, built, 0.6, sink, True)
+    for splits in (1, 3):
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
+        _launch(q.to(device), [b.cset for b in built], 0.6, sink.to(device), out, lse, None, None,
+                KernelConfig(16 if num_heads <= 16 else 32, 16, splits, 4, 1, True))
+        assert_matches(out, lse, ref, base, f"lazy splits {splits}")
+
+
 def test_pick_splits_fills_waves():
     """Split-KV model on 132 SMs: a half-full grid splits in 2, a full one stays whole, a tiny
     one takes the cap; never more than the cap."""
@@ -231,16 +250,17 @@ def test_sweep_slow(num_heads, layout, device):
         _run_case(case, device, "triton", prefill=prefill)
 
 
-#: Kernel configs (BLOCK_H, BLOCK_N, num_warps, num_stages) that must all be correct: the
+#: Kernel configs (BLOCK_H, BLOCK_N, num_warps, num_stages, lazy_rescale) that must all be correct: the
 #: defaults and the alternatives that benchmarks/bench_sparse_attn.py --sweep times. The first
 #: one (16-head tile at 8 warps, 16-wide chunks) miscompiled on Triton 3.6 with the previous kernel.
-CONFIGS = [(16, 16, 8, 2), (16, 32, 4, 1), (16, 32, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1),
-           (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 1)]
+CONFIGS = [(16, 16, 8, 2, False), (16, 32, 4, 1, False), (16, 32, 8, 1, False), (32, 32, 8, 1, False),
+           (64, 16, 8, 1, False), (64, 32, 8, 1, False), (64, 32, 8, 2, False), (64, 64, 8, 1, False),
+           (64, 32, 4, 1, False), (16, 32, 4, 1, True), (64, 32, 8, 1, True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_heads", [3, 64])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["bh%d-n%d-w%d-s%d" % c for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["bh%d-n%d-w%d-s%d-lazy%d" % c for c in CONFIGS])
 def test_kernel_configs_prod_layout(cfg, num_heads, device):
     """Every kernel config gives correct results at the production layout (splits 1 and 2)."""
     gen = torch.Generator().manual_seed(77 + num_heads)
@@ -254,7 +274,7 @@ def test_kernel_configs_prod_layout(cfg, num_heads, device):
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
         _launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None,
-                KernelConfig(cfg[0], cfg[1], splits, cfg[2], cfg[3]))
+                KernelConfig(cfg[0], cfg[1], splits, cfg[2], cfg[3], cfg[4]))
         assert_matches(out, lse, ref, base, f"config {cfg} splits {splits}")
 
 

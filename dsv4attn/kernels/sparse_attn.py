@@ -154,11 +154,12 @@ def _attend_chunk(
     cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size, qk_scale,
     IS_FP8: tl.constexpr, NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
     TAIL: tl.constexpr, R: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Gather + dequantise one chunk of candidates (``blk``, ``off``, ``valid`` ``[BLOCK_N]``)
     and run one step of the base-2 online softmax for ``ROWS`` query rows (``mask``
-    broadcasts to ``[ROWS, BLOCK_N]``). Returns the updated (a0, a1, a2, a3, m_i, l_i)."""
+    broadcasts to ``[ROWS, BLOCK_N]``). Returns the updated (a0, a1, a2, a3, m_i, l_i); with
+    LAZY, m_i is a lower bound of the running max within 8 (log2 units), not the max itself."""
     if IS_FP8:
         data = blk * stride_blk + off * DATA_BYTES
         sc = blk * stride_blk + block_size * DATA_BYTES + off * SCALE_BYTES
@@ -180,19 +181,46 @@ def _attend_chunk(
         s = _dot(q3, tl.trans(k3), s, CPU_INTERP)
     s = tl.where(mask, s * qk_scale, float("-inf"))  # log2 units
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = _to_bf16(p, CPU_INTERP)
-    if P0 > 0:
-        a0 = _dot(pb, k0, a0 * alpha[:, None], CPU_INTERP)
-    if P1 > 0:
-        a1 = _dot(pb, k1, a1 * alpha[:, None], CPU_INTERP)
-    if P2 > 0:
-        a2 = _dot(pb, k2, a2 * alpha[:, None], CPU_INTERP)
-    if TAIL > 0:
-        a3 = _dot(pb, k3, a3 * alpha[:, None], CPU_INTERP)
+    if LAZY:
+        # Rescale only when some row's max grew by more than 2^8 (then every row moves to its
+        # new max); otherwise keep the stale max, so p <= 2^8 (fine for bf16 p and fp32 sums).
+        # m_i is then not the running max, but lse = m_i + log2(l_i) stays exact.
+        grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
+        if grow > 8.0:
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l_i = l_i * alpha
+            a0 = a0 * alpha[:, None]
+            a1 = a1 * alpha[:, None]
+            a2 = a2 * alpha[:, None]
+            a3 = a3 * alpha[:, None]
+            m_i = m_new
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        pb = _to_bf16(p, CPU_INTERP)
+        if P0 > 0:
+            a0 = _dot(pb, k0, a0, CPU_INTERP)
+        if P1 > 0:
+            a1 = _dot(pb, k1, a1, CPU_INTERP)
+        if P2 > 0:
+            a2 = _dot(pb, k2, a2, CPU_INTERP)
+        if TAIL > 0:
+            a3 = _dot(pb, k3, a3, CPU_INTERP)
+        m_new = m_i
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pb = _to_bf16(p, CPU_INTERP)
+        if P0 > 0:
+            a0 = _dot(pb, k0, a0 * alpha[:, None], CPU_INTERP)
+        if P1 > 0:
+            a1 = _dot(pb, k1, a1 * alpha[:, None], CPU_INTERP)
+        if P2 > 0:
+            a2 = _dot(pb, k2, a2 * alpha[:, None], CPU_INTERP)
+        if TAIL > 0:
+            a3 = _dot(pb, k3, a3 * alpha[:, None], CPU_INTERP)
     return a0, a1, a2, a3, m_new, l_i
 
 
@@ -268,7 +296,7 @@ def _set_pass(
     IS_FP8: tl.constexpr, IS_RANGE: tl.constexpr, NOPE: tl.constexpr,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Attend token ``t``'s head tile to chunks ``split, split + num_splits, ...`` of one set."""
     length = tl.minimum(tl.load(len_ptr + t), width)  # indices form: never past the row
@@ -284,7 +312,7 @@ def _set_pass(
         a0, a1, a2, a3, m_i, l_i = _attend_chunk(
             q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, valid[None, :],
             cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size, qk_scale,
-            IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, CPU_INTERP)
+            IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
     return a0, a1, a2, a3, m_i, l_i
 
 
@@ -307,7 +335,7 @@ def _sparse_mla_attn_kernel(
     A_FP8: tl.constexpr, A_RANGE: tl.constexpr,
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr, OUT_BF16: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
     """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), num_splits)``.
 
@@ -315,6 +343,7 @@ def _sparse_mla_attn_kernel(
     the final out / lse (/ max logits); with it, fp32 partials ``part_o [T, total_splits, H,
     HEAD_DIM]`` and ``part_lse [T, total_splits, H]`` at split index ``split_base + s`` for
     ``_sparse_mla_combine_kernel`` (other passes, e.g. the prefill kernel, fill the rest).
+    LAZY (not with WRITE_MAX): online-softmax rescaling only when a max grows by > 2^8.
     """
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -338,13 +367,13 @@ def _sparse_mla_attn_kernel(
         t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
-        qk_scale, A_FP8, A_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, CPU_INTERP)
+        qk_scale, A_FP8, A_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
     if HAS_B:
         a0, a1, a2, a3, m_i, l_i = _set_pass(
             t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
             b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
             b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
-            qk_scale, B_FP8, B_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, CPU_INTERP)
+            qk_scale, B_FP8, B_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
     _finish(a0, a1, a2, a3, m_i, l_i, h_ok, t64 * stride_o_t + hc * stride_o_h, t64 * stride_lse_t + hc,
             t64 * stride_max_t + hc, (t64 * total_splits + split_base + split) * num_heads + hc,
             sink_ptr + hc, out_ptr, lse_ptr, max_ptr, part_o_ptr, part_lse_ptr,

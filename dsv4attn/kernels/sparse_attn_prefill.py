@@ -58,7 +58,8 @@ def _shared_range_pass(
                 a0, a1, a2, a3, m_i, l_i = _attend_chunk(
                     q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask,
                     cache_ptr, slot // block_size, slot % block_size, ok, stride_blk, stride_entry, block_size,
-                    qk_scale, IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_N, CPU_INTERP)
+                    qk_scale, IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_N, False,
+                    CPU_INTERP)
             done = done | rows.to(tl.int32)
     return a0, a1, a2, a3, m_i, l_i
 

@@ -44,6 +44,8 @@ class KernelConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    #: Online-softmax rescaling only when a row max grows by > 2^8 (never with max logits).
+    lazy_rescale: bool = False
 
 
 def kernel_config(
@@ -280,7 +282,8 @@ def _launch(
         else:
             _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, attn_sink is not None, qk_scale,
                            split_base, total, cfg if not shared else
-                           KernelConfig(cfg.block_h, cfg.block_n, 1, cfg.num_warps, cfg.num_stages), geo)
+                           KernelConfig(cfg.block_h, cfg.block_n, 1, cfg.num_warps, cfg.num_stages,
+                                        cfg.lazy_rescale), geo)
     if total > 1:
         _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, _COMBINE_BLOCK_H))](
             part_o, part_lse, sink,
@@ -316,7 +319,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         A_FP8=a.is_fp8, A_RANGE=a.is_range,
         HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
         HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and max_logits is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
     )
 
