@@ -337,7 +337,8 @@ def _sparse_mla_attn_kernel(
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr, OUT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
-    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H), num_splits)``.
+    """Grid ``(num_tokens * cdiv(num_heads, BLOCK_H), num_splits)``, head tiles fastest: the
+    tiles of one token run together, so the second tile's gathers hit L2 (h = 128).
 
     Split ``s`` takes every num_splits-th chunk of each set. Without WRITE_PARTIAL it writes
     the final out / lse (/ max logits); with it, fp32 partials ``part_o [T, total_splits, H,
@@ -345,9 +346,10 @@ def _sparse_mla_attn_kernel(
     ``_sparse_mla_combine_kernel`` (other passes, e.g. the prefill kernel, fill the rest).
     LAZY (not with WRITE_MAX): online-softmax rescaling only when a max grows by > 2^8.
     """
-    t = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    split = tl.program_id(2)
+    tiles = tl.cdiv(num_heads, BLOCK_H)
+    t = tl.program_id(0) // tiles
+    pid_h = tl.program_id(0) % tiles
+    split = tl.program_id(1)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
     hc = tl.where(h_ok, h, 0)

@@ -306,7 +306,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     a = sets[0]
     b = sets[1] if len(sets) > 1 else sets[0]
     mx = max_logits if max_logits is not None else lse
-    grid = (num_tokens, triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    grid = (num_tokens * triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
     _sparse_mla_attn_kernel[grid](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
