@@ -9,6 +9,9 @@ bf16 ulp), the max lse error, and OK/BAD. A summary lists the configs with any B
 
     .venv/bin/python scripts/gpu_attn_debug.py            # all configs
     .venv/bin/python scripts/gpu_attn_debug.py --quick    # default + the old failing config
+    .venv/bin/python scripts/gpu_attn_debug.py --heads 3 64 --combos idx+range   # a subset
+
+Each config compiles once per (set forms, split) variant: the full run compiles ~100 kernels.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tokens", type=int, default=3)
+    ap.add_argument("--heads", type=int, nargs="*", default=[1, 3, 8, 64, 128])
+    ap.add_argument("--combos", nargs="*", default=list(COMBOS), choices=list(COMBOS))
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     configs = CONFIGS[:1] if args.quick else CONFIGS
@@ -75,8 +80,9 @@ def main() -> None:
     bad: dict[str, int] = {}
     runs = 0
     num_tokens = args.tokens
-    for num_heads in (1, 3, 8, 64, 128):
-        for combo, specs in COMBOS.items():
+    for num_heads in args.heads:
+        for combo in args.combos:
+            specs = COMBOS[combo]
             name = f"h{num_heads}-{combo}"
             gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             req = [t * 2 // num_tokens for t in range(num_tokens)]
