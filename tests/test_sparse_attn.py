@@ -8,6 +8,7 @@ NaN-poisoned. Interpreter shapes are small; a few production-layout (448 + 64) c
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -295,3 +296,20 @@ def test_random_sets_match_oracle(num_heads, num_tokens, forms, num_splits, sink
     specs = [SetSpec(f, fp8, bs, w) for f, fp8, bs, w in forms]
     case = (f"random-{seed}", num_heads, num_tokens, SMALL_LAYOUT, specs, num_splits, sink_kind, 2)
     _run_case(case, device, "triton", prefill=prefill)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_fp32_pages_equal_bf16_pages_holding_the_same_values(impl, device):
+    """"auto" pages in fp32 (an fp32 model's cache) holding bf16-representable values give
+    exactly the result of the bf16 pages: both paths read them as the same numbers."""
+    gen = torch.Generator().manual_seed(41)
+    specs = [SetSpec("range", False, 16, 30), SetSpec("indices", False, 16, 20)]
+    built = [build_set(sp, 4, [0, 0, 1, 1], SMALL_LAYOUT, gen, device) for sp in specs]
+    q = torch.randn(4, 3, SMALL_LAYOUT.head_dim, generator=gen).bfloat16().to(device)
+    sets_bf16 = [b.cset for b in built]
+    sets_fp32 = [dataclasses.replace(s, cache=s.cache.float()) for s in sets_bf16]
+    scale = SMALL_LAYOUT.head_dim**-0.5
+    o16, l16 = sparse_mla_attention(q, sets_bf16, scale, impl=impl)
+    o32, l32 = sparse_mla_attention(q, sets_fp32, scale, impl=impl)
+    torch.testing.assert_close(o32, o16, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(l32, l16, rtol=0, atol=0, equal_nan=True)

@@ -127,6 +127,7 @@ def _nope_part(cache_ptr, data, sc, valid, D0: tl.constexpr, P: tl.constexpr, IS
         k = (f * scl).to(tl.bfloat16)  # exact: e4m3 x 2^k fits bf16
     else:
         k = tl.load(cache_ptr + data[:, None] + (D0 + dd)[None, :], mask=valid[:, None], other=0.0)
+        k = k.to(tl.bfloat16)  # no-op for bf16 pages; fp32 pages go to the bf16 tensor cores too
     return k
 
 
@@ -145,7 +146,7 @@ def _tail_part(cache_ptr, data, valid, NOPE: tl.constexpr, TAIL: tl.constexpr, R
     else:
         ok = rr < TAIL
         k = tl.load(base[:, None] + tl.where(ok, rr, 0)[None, :], mask=valid[:, None] & ok[None, :], other=0.0)
-    return k
+    return k.to(tl.bfloat16)
 
 
 @triton.jit

@@ -150,26 +150,6 @@ def indexer_topk(
     return out
 
 
-def attention_fp32(q: torch.Tensor, sets: list[CandidateSet], scale: float, sink: torch.Tensor,
-                   layout: FP8DSMLALayout | None) -> torch.Tensor:
-    """fp32 sparse attention with sink over candidate sets (same candidate semantics as the op,
-    which only takes bf16 q): q ``[T, H, D]`` fp32 -> ``[T, H, D]`` fp32. Empty rows -> 0."""
-    T = q.shape[0]
-    ks, valids = [], []
-    rows = slice(0, T)
-    for s in sets:
-        slot, valid = candidate_slots(s, rows)
-        k = gather_entries(s, slot, layout if s.is_fp8 else None)
-        ks.append(torch.where(valid[..., None], k, torch.zeros((), device=k.device)))
-        valids.append(valid)
-    k, valid = torch.cat(ks, dim=1), torch.cat(valids, dim=1)
-    logits = torch.einsum("thd,tcd->thc", q.float(), k) * scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    sinks = sink.float()[None, :, None].expand(T, -1, 1)
-    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thc,tcd->thd", probs, k)
-
-
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
     caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto",
@@ -202,8 +182,8 @@ def layer_step(
             sets.append(CandidateSet(caches.compressed, cm.lengths, block_table=cm.block_table, token_to_req=t2r,
                                      starts=cm.starts, layout=lay))
     scale = layer.config.softmax_scale
-    if q.dtype == torch.bfloat16:
-        attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(), impl=impl)
-    else:
-        attn = attention_fp32(q, sets, scale, layer.sinks, caches.layout).to(q.dtype)
+    # The Triton kernel multiplies on bf16 tensor cores whatever q's dtype; an fp32 layer asks
+    # for fp32 attention, which the reference computes.
+    attn_impl = impl if q.dtype == torch.bfloat16 else "reference"
+    attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(), impl=attn_impl)
     return layer.project_out(attn, cos, sin)

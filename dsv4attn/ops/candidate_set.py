@@ -119,14 +119,15 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         if cache.shape[1] > 1 and cache.stride(1) != lay.entry_bytes:
             # The view's middle dim is cosmetic, but a reshape would break the byte layout.
             raise ValueError(f"{name}.cache stride(1) must be {lay.entry_bytes}, got {cache.stride(1)}")
-    elif cache.dtype == torch.bfloat16:
+    elif cache.dtype in (torch.bfloat16, torch.float32):
+        # "auto" pages hold the model dtype: bf16 in serving, fp32 for exact-parity runs.
         check_tensor(f"{name}.cache", cache, ndim=3)
         if cache.shape[2] != head_dim:
             raise ValueError(f"{name}.cache last dim must be head_dim={head_dim}, got {tuple(cache.shape)}")
         if cache.stride(2) != 1:
             raise ValueError(f"{name}.cache last dim must be contiguous, got strides {cache.stride()}")
     else:
-        raise TypeError(f"{name}.cache must be uint8 (fp8_ds_mla) or bfloat16 pages, got {cache.dtype}")
+        raise TypeError(f"{name}.cache must be uint8 (fp8_ds_mla), bfloat16 or float32 pages, got {cache.dtype}")
     if cache.shape[0] < 1 or cache.shape[1] < 1:
         raise ValueError(f"{name}.cache must hold at least one entry, got shape {tuple(cache.shape)}")
     i32 = torch.int32
