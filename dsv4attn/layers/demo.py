@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in names:
         results.append(run_demo(sizes[name], args.requests, device, args.seed, progress=not args.no_progress))
-        print(format_table(results[-1:]), flush=True)
+        if len(names) > 1:  # a table per size as it finishes, then all together
+            print(format_table(results[-1:]), flush=True)
     print("\n" + format_table(results))
 
 
