@@ -13,6 +13,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _entry_slot(bt_ptr, req, e, valid, stride_bt_req, stride_bt_col, max_blocks, block_size):
+    """Global slot (int64) of entry ``e`` of request ``req`` through its block-table row, and
+    the validity: ``valid`` and the entry's block column inside the table. Invalid lanes read
+    column 0 (never out of the row) and get slot -1."""
+    col = e // block_size
+    valid = valid & (col < max_blocks)
+    col = tl.where(valid, col, 0)
+    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col, mask=valid, other=0)
+    slot = blk.to(tl.int64) * block_size + (e % block_size).to(tl.int64)
+    return tl.where(valid, slot, -1), valid
+
+
+@triton.jit
 def _compressed_slot_mapping_kernel(
     out_ptr,  # int64 [out_len]
     qsl_ptr,  # int32 [num_reqs + 1]
@@ -56,12 +69,7 @@ def _compressed_slot_mapping_kernel(
     chunk = k // cp_interleave
     valid = valid & ((chunk % cp_world) == cp_rank)
     local = (chunk // cp_world) * cp_interleave + k % cp_interleave
-    col = local // block_size
-    valid = valid & (col < max_blocks)
-    col = tl.where(valid, col, 0)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col, mask=valid, other=0)
-    slot = blk.to(tl.int64) * block_size + (local % block_size).to(tl.int64)
-    slot = tl.where(valid, slot, -1)
+    slot, valid = _entry_slot(bt_ptr, req, local, valid, stride_bt_req, stride_bt_col, max_blocks, block_size)
     tl.store(out_ptr + t, slot, mask=in_out)
 
 
@@ -104,12 +112,8 @@ def _c128a_topk_kernel(
         for j0 in range(0, end, BLOCK):
             j = j0 + offs
             m = j < end
-            col = j // block_size
-            v = m & (j < n) & (col < max_blocks)
-            col = tl.where(v, col, 0)
-            blk = tl.load(bt_ptr + req * stride_bt_req + col.to(tl.int64) * stride_bt_col, mask=v, other=0)
-            slot = blk.to(tl.int64) * block_size + (j % block_size).to(tl.int64)
-            tl.store(row + j, tl.where(v, slot, -1).to(tl.int32), mask=m)
+            slot, v = _entry_slot(bt_ptr, req, j, m & (j < n), stride_bt_req, stride_bt_col, max_blocks, block_size)
+            tl.store(row + j, slot.to(tl.int32), mask=m)
     else:
         row = pref_ptr + (t - num_decode_tokens).to(tl.int64) * stride_pref
         for j0 in range(0, end, BLOCK):
@@ -144,12 +148,8 @@ def _swa_indices_kernel(
     j = tl.arange(0, BLOCK_W)
     m = j < window
     e = start + j
-    col = e // block_size
-    v = m & (j < length) & (col < max_blocks)
-    col = tl.where(v, col, 0)
-    blk = tl.load(bt_ptr + req * stride_bt_req + col * stride_bt_col, mask=v, other=0)
-    slot = blk.to(tl.int64) * block_size + e % block_size
-    tl.store(idx_ptr + t.to(tl.int64) * stride_idx + j, tl.where(v, slot, -1).to(tl.int32), mask=m)
+    slot, v = _entry_slot(bt_ptr, req, e, m & (j < length), stride_bt_req, stride_bt_col, max_blocks, block_size)
+    tl.store(idx_ptr + t.to(tl.int64) * stride_idx + j, slot.to(tl.int32), mask=m)
 
 
 @triton.jit
@@ -178,12 +178,8 @@ def _global_topk_kernel(
         m = k < K
         i = tl.load(local_ptr + t.to(tl.int64) * stride_local + k, mask=m, other=-1)
         count += (i >= 0).to(tl.int32)
-        col = i // block_size
-        v = m & (i >= 0) & (col < max_blocks)
-        col = tl.where(v, col, 0)
-        blk = tl.load(bt_ptr + req * stride_bt_req + col.to(tl.int64) * stride_bt_col, mask=v, other=0)
-        slot = blk.to(tl.int64) * block_size + (i % block_size).to(tl.int64)
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + k, tl.where(v, slot, -1).to(tl.int32), mask=m)
+        slot, v = _entry_slot(bt_ptr, req, i, m & (i >= 0), stride_bt_req, stride_bt_col, max_blocks, block_size)
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + k, slot.to(tl.int32), mask=m)
     ok = tl.load(valid_ptr + t).to(tl.int1)
     tl.store(lens_ptr + t, tl.where(ok, tl.sum(count, axis=0), 0))
 
