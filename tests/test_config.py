@@ -7,7 +7,7 @@ import torch
 
 from dsv4attn.config import AttentionConfig, RopeConfig
 
-hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
+hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 
