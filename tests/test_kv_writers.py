@@ -11,7 +11,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4attn.kernels.cache_ops import _page_offset
+from dsv4attn.kernels.common import page_offset
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, KVCacheManager
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
@@ -318,7 +318,7 @@ def test_bad_inputs_raise_before_launch():
 @triton.jit
 def _page_offset_probe_kernel(slot_ptr, out_ptr, block_size, stride_block):
     i = tl.program_id(0)
-    page, off = _page_offset(tl.load(slot_ptr + i), block_size, stride_block)
+    page, off = page_offset(tl.load(slot_ptr + i), block_size, stride_block)
     tl.store(out_ptr + 2 * i, page)
     tl.store(out_ptr + 2 * i + 1, off)
 

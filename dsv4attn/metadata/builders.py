@@ -29,15 +29,12 @@ import torch
 
 from dsv4attn.metadata.batch import GROUP_C4, GROUP_C128, GROUP_SWA, BatchMetadata
 from dsv4attn.ops import metadata as ops
-from dsv4attn.reference.metadata import C128A_TOPK_ALIGNMENT
+from dsv4attn.kv_cache import slots
+from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT
 
 FORMS = ("full", "real", "range")
 #: Tokens per logical block of the compressed (full-MLA) group: the backend's kernel block size.
 MLA_BLOCK_SIZE = 256
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ class MetadataConfig:
     @property
     def c128a_max_compressed(self) -> int:
         """Row width of the C128A top-k buffers: ``round_up(cdiv(max_model_len, 128), 128)``."""
-        return _round_up(-(-self.max_model_len // 128), C128A_TOPK_ALIGNMENT)
+        return slots.c128a_max_compressed(self.max_model_len, 128)
 
 
 @dataclass(frozen=True)
@@ -316,7 +313,7 @@ class StepMetadataBuilder:
             elif r == 128:
                 g, dl, pf = ops.build_c128a_topk_metadata(
                     pos, r, nd, t2r, bt, bs, sm, self.c128_global_decode, self.c128_decode_lens, self.c128_prefill,
-                    c.c128a_max_compressed, full_width=(form == "full"), validate_lengths=False, impl=impl,
+                    c.c128a_max_compressed, full_width=(form == "full"), impl=impl,
                 )
                 extra = dict(global_decode=g, decode_lens=dl, prefill_local=pf)
             comp[r] = CompressedMetadata(r, bt, bs, csm, **extra)

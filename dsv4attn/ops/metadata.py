@@ -23,7 +23,7 @@ from dsv4attn._checks import check_tensor, same_device
 from dsv4attn.device import resolve_impl
 from dsv4attn.kernels import metadata as K
 from dsv4attn.reference import metadata as R
-from dsv4attn.reference.metadata import C128A_TOPK_ALIGNMENT
+from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT, DEFAULT_MAX_COMPRESSED_TOKENS
 
 _INT = (torch.int32, torch.int64)
 
@@ -81,11 +81,14 @@ def get_compressed_slot_mapping(
     ``k = (p + 1) // compress_ratio - 1`` and gets its slot; every other token, tokens at or past
     ``query_start_loc[R]``, and the whole tail of ``out`` beyond ``num_tokens`` get -1.
 
-    Context parallelism (decided here, consistent with vLLM when ``block_size % interleave == 0``):
-    entries are dealt to ranks in chunks of ``cp_kv_cache_interleave_size``: entry k lives on rank
-    ``(k // I) % cp_world_size`` at rank-local entry index ``L = (k // (I * world)) * I + k % I``,
-    stored at ``block_table[q, L // block_size] * block_size + L % block_size`` (the table is the
-    rank's own); tokens whose entry lives on another rank get -1.
+    Context parallelism, exactly the engine's formula (vLLM ``compressor_utils``) for every
+    interleave size I: with ``c = p // compress_ratio`` and ``vbs = block_size * cp_world_size``,
+    ``voff = c % vbs``; the entry is this rank's iff ``(voff // I) % cp_world_size == cp_rank``,
+    stored at ``block_table[q, c // vbs] * block_size + (voff // (cp_world_size * I)) * I +
+    voff % I`` (the table is the rank's own). Tokens whose entry lives on another rank get -1.
+    When I does not divide ``block_size`` the engine's in-block offset can reach past
+    ``block_size``; the result is kept equal to the engine's (the cache writers then refuse or
+    skip slots outside the cache).
     """
     _check_int("num_tokens", num_tokens)
     _check_int("block_size", block_size, 1)
@@ -128,9 +131,8 @@ def build_c128a_topk_metadata(
     global_decode_buffer: torch.Tensor,
     decode_lens_buffer: torch.Tensor,
     prefill_buffer: torch.Tensor,
-    max_compressed_tokens: int,
+    max_compressed_tokens: int = DEFAULT_MAX_COMPRESSED_TOKENS,
     full_width: bool = True,
-    validate_lengths: bool = True,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """C128A dense top-k rows: ``(global_decode [nd, W], decode_lens [nd], prefill_local [T-nd, W])``.
@@ -141,15 +143,15 @@ def build_c128a_topk_metadata(
     slot_mapping int64/int32 ``[T]`` (the raw per-token slot; -1 = padded token); buffers int32
     ``[rows, W]``, ``[rows]``, ``[rows, W]``. Returned tensors are slices of the buffers.
 
-    With ``n = (p + 1) // compress_ratio`` (clamped to ``max_compressed_tokens``): decode row t
-    holds the global slots of entries ``0..n-1`` then -1, ``decode_lens[t] = n`` (0 when
-    ``slot_mapping[t] < 0``); prefill row holds local indices ``0..n-1`` then -1.
-    ``full_width=True`` (engine form) writes columns ``[0, max_compressed_tokens)`` of each row;
-    ``full_width=False`` (real-context form) writes only ``[0, round_up(n, 128))`` (capped at
-    ``max_compressed_tokens``) and leaves the rest of the row untouched (never read, since every
-    consumer bounds reads by the length). No kernel writes past ``max_compressed_tokens``, which
-    must be <= each buffer's row width W. ``validate_lengths`` checks ``n <= max_compressed_tokens``
-    for every token (one host sync; the builders check on the host instead and pass False).
+    With ``n = min((p + 1) // compress_ratio, max_compressed_tokens)`` (clamped, as the engine
+    does; default 8192 as in the engine): decode row t holds the global slots of entries
+    ``0..n-1`` then -1, ``decode_lens[t] = n`` (0 when ``slot_mapping[t] < 0``); prefill row holds
+    local indices ``0..n-1`` then -1. ``full_width=True`` (engine form) writes columns
+    ``[0, max_compressed_tokens)`` of each row; ``full_width=False`` (real-context form) writes
+    only ``[0, round_up(n, 128))`` (capped at ``max_compressed_tokens``) and leaves the rest of the
+    row untouched (never read, since every consumer bounds reads by the length). No kernel writes
+    past ``max_compressed_tokens``, which must be <= each buffer's row width W (the engine would
+    spill into the next row; here it is a ``ValueError``).
     """
     _check_int("compress_ratio", compress_ratio, 1)
     _check_int("block_size", block_size, 1)
@@ -172,13 +174,6 @@ def build_c128a_topk_metadata(
     pref = _check_out("prefill_buffer", prefill_buffer, num_tokens - nd, max_compressed_tokens, torch.int32)
     dev = same_device(positions=pos, token_to_req_indices=t2r, block_table=bt, slot_mapping=sm,
                       global_decode_buffer=gdec, decode_lens_buffer=dlens, prefill_buffer=pref)
-    if validate_lengths and num_tokens > 0:
-        n_max = int((pos.max().item() + 1) // compress_ratio)
-        if n_max > max_compressed_tokens:
-            raise ValueError(
-                f"positions need up to {n_max} compressed entries per token but "
-                f"max_compressed_tokens={max_compressed_tokens}"
-            )
     if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
         return R.build_c128a_topk_metadata_ref(
             pos, compress_ratio, nd, t2r, bt, block_size, sm, gdec, dlens, pref,
