@@ -11,7 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from dsv4attn.device import supported_paths
-from dsv4attn.kv_cache.layout import FP8DSMLALayout, round_up
+from dsv4attn.kv_cache.layout import (
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
+    FP8DSMLALayout,
+    normalize_kv_cache_dtype,
+    round_up,
+)
 
 #: Engine-facing backend name.
 BACKEND_NAME = "FLASHMLA_SPARSE_DSV4"
@@ -21,26 +27,9 @@ ROPE_DIM = 64
 NOPE_DIM = HEAD_SIZE - ROPE_DIM
 #: Raw tokens per block-table entry (the engines' kernel block size for every DSV4 cache group).
 KERNEL_BLOCK_SIZE = 256
-#: Cache dtype strings: "auto" stores model-dtype (bf16) rows; "fp8_ds_mla" the 584-byte format.
-KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
-#: Aliases an engine may pass, rewritten to the canonical name (vLLM rewrites fp8* to fp8_ds_mla).
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_ds_mla", "fp8_e4m3": "fp8_ds_mla", "bfloat16": "auto", "bf16": "auto"}
 MODEL_DTYPES = (torch.bfloat16,)
 #: Plain-row pages are aligned to this many bytes (FlashInfer-style bf16 layout).
 AUTO_PAGE_ALIGN = 512
-
-
-def normalize_kv_cache_dtype(cache_dtype_str: str) -> str:
-    """Canonical cache dtype name: ``"auto"`` or ``"fp8_ds_mla"``; raises ``ValueError`` otherwise."""
-    if not isinstance(cache_dtype_str, str):
-        raise TypeError(f"cache_dtype_str must be a str, got {type(cache_dtype_str).__name__}")
-    name = KV_CACHE_DTYPE_ALIASES.get(cache_dtype_str, cache_dtype_str)
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"cache_dtype_str {cache_dtype_str!r} is not supported; use one of "
-            f"{KV_CACHE_DTYPES} (aliases {sorted(KV_CACHE_DTYPE_ALIASES)})"
-        )
-    return name
 
 
 @dataclass(frozen=True)
@@ -105,14 +94,14 @@ class DeepseekV4SparseBackend:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if num_kv_heads != 1:
             raise ValueError(f"MLA caches have num_kv_heads == 1, got {num_kv_heads}")
-        if normalize_kv_cache_dtype(cache_dtype_str) == "fp8_ds_mla":
+        if normalize_kv_cache_dtype(cache_dtype_str, "cache_dtype_str") == "fp8_ds_mla":
             return (num_blocks, block_size, cls.layout(head_size).entry_bytes)
         return (num_blocks, block_size, head_size)
 
     @classmethod
     def page_size_bytes(cls, block_size: int, head_size: int = HEAD_SIZE, cache_dtype_str: str = "auto") -> int:
         """Bytes of one block (the block stride): 576-aligned for fp8_ds_mla, 512-aligned bf16 rows."""
-        if normalize_kv_cache_dtype(cache_dtype_str) == "fp8_ds_mla":
+        if normalize_kv_cache_dtype(cache_dtype_str, "cache_dtype_str") == "fp8_ds_mla":
             return cls.layout(head_size).page_bytes(block_size)
         return round_up(block_size * head_size * 2, AUTO_PAGE_ALIGN)
 

@@ -27,15 +27,28 @@ from typing import Literal
 
 import torch
 
-from dsv4attn.kv_cache.layout import FP8DSMLALayout, round_up
+from dsv4attn.kv_cache.layout import (
+    BF16_BYTES,
+    FP32_BYTES,
+    INDEXER_SCALE_BYTES,
+    FP8DSMLALayout,
+    IndexerKLayout,
+    compressor_coff,
+    compressor_overlap,
+    page_bytes,
+    state_page_bytes,
+    state_row_width,
+    state_window,
+)
 
 KVCacheDtype = Literal["fp8_ds_mla", "auto"]
 #: Compress ratios DeepSeek-V4 accepts per layer (0 in a HF config means 1 = SWA-only).
 SUPPORTED_RATIOS = (1, 4, 128)
-#: Bytes of one fp32 indexer-key scale.
-INDEXER_SCALE_BYTES = 4
-#: Bytes of a bf16 / fp32 element.
-BF16_BYTES, FP32_BYTES = 2, 4
+__all__ = [
+    "INDEXER_SCALE_BYTES", "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
+    "compressor_overlap", "indexer_entry_bytes", "layer_cache_specs", "state_row_width", "state_window",
+    "v4_flash_config",
+]
 
 GROUP_FULL_MLA = "full_mla"
 GROUP_SWA = "swa"
@@ -183,30 +196,10 @@ class GroupSpec:
         return sum(c.page_bytes for c in self.caches)
 
 
-def compressor_overlap(ratio: int) -> bool:
-    """Ratio-4 compressors pool overlapping windows of 2r positions; ratio 128 does not."""
-    return ratio == 4
-
-
-def compressor_coff(ratio: int) -> int:
-    """Width multiplier of compressor state rows: 2 with overlap (r=4), 1 without (r=128)."""
-    return 2 if compressor_overlap(ratio) else 1
-
-
-def state_window(ratio: int) -> int:
-    """Raw positions a compressor state cache must keep: 2r with overlap, r without."""
-    return compressor_coff(ratio) * ratio
-
-
-def state_row_width(ratio: int, dim: int) -> int:
-    """fp32 elements of one compressor state row: ``[kv (coff*D) | score (coff*D)]``."""
-    return 2 * compressor_coff(ratio) * dim
-
-
 def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: KVCacheDtype) -> int:
     """fp8: ``index_head_dim`` fp8 bytes + one fp32 scale (132 B); auto: bf16 row (256 B)."""
     if kv_cache_dtype == "fp8_ds_mla":
-        return index_head_dim + INDEXER_SCALE_BYTES
+        return IndexerKLayout(index_head_dim).entry_bytes
     return index_head_dim * BF16_BYTES
 
 
@@ -217,7 +210,7 @@ def _kv_spec(cfg: CacheConfig, name: str, layer: int, group: str, ratio: int, tp
         return CacheSpec(name, layer, group, "fp8_ds_mla", ratio, tpb, bs, lay.entry_bytes,
                          lay.page_bytes(bs), (lay.entry_bytes,), "uint8")
     row = cfg.head_dim * BF16_BYTES
-    return CacheSpec(name, layer, group, "bf16", ratio, tpb, bs, row, bs * row, (cfg.head_dim,), "bfloat16")
+    return CacheSpec(name, layer, group, "bf16", ratio, tpb, bs, row, page_bytes(bs, row), (cfg.head_dim,), "bfloat16")
 
 
 def _indexer_spec(cfg: CacheConfig, layer: int) -> CacheSpec:
@@ -226,8 +219,8 @@ def _indexer_spec(cfg: CacheConfig, layer: int) -> CacheSpec:
     eb = indexer_entry_bytes(cfg.index_head_dim, cfg.kv_cache_dtype)
     if cfg.kv_cache_dtype == "fp8_ds_mla":
         return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "indexer_fp8", ratio, tpb, bs, eb,
-                         round_up(bs * eb, cfg.page_align), (eb,), "uint8")
-    return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "bf16", ratio, tpb, bs, eb, bs * eb,
+                         IndexerKLayout(cfg.index_head_dim, cfg.page_align).page_bytes(bs), (eb,), "uint8")
+    return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "bf16", ratio, tpb, bs, eb, page_bytes(bs, eb),
                      (cfg.index_head_dim,), "bfloat16")
 
 
@@ -235,9 +228,8 @@ def _state_spec(cfg: CacheConfig, name: str, layer: int, ratio: int, dim: int) -
     group, bs = ((GROUP_C4_STATE, cfg.c4_state_block_size) if ratio == 4
                  else (GROUP_C128_STATE, cfg.c128_state_block_size))
     width = state_row_width(ratio, dim)
-    eb = width * FP32_BYTES
-    page = round_up(bs * eb, cfg.page_align)
-    return CacheSpec(name, layer, group, "state_fp32", ratio, bs, bs, eb, page, (width,), "float32")
+    page = state_page_bytes(bs, ratio, dim, cfg.page_align)
+    return CacheSpec(name, layer, group, "state_fp32", ratio, bs, bs, width * FP32_BYTES, page, (width,), "float32")
 
 
 def layer_cache_specs(cfg: CacheConfig, layer: int) -> list[CacheSpec]:

@@ -26,8 +26,13 @@ from dsv4attn.kernels.cache_ops import (
     _insert_rows_kernel,
     _write_compressor_state_kernel,
 )
-from dsv4attn.kv_cache.layout import FP8DSMLALayout, check_fp8_ds_mla_cache, layout_for_head_dim
-from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
+from dsv4attn.kv_cache.layout import (
+    FP8DSMLALayout,
+    check_fp8_ds_mla_cache,
+    check_indexer_k_cache,
+    layout_for_head_dim,
+    normalize_kv_cache_dtype,
+)
 from dsv4attn.reference.cache_ops import (
     insert_indexer_k_ref,
     insert_kv_ref,
@@ -92,6 +97,7 @@ def insert_kv(
     entries too: a compressed cache is just a cache with its own block size and slot mapping.
     Non-finite inputs give unspecified bytes in their own slot only.
     """
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     check_tensor("kv", kv, dtype=_FLOAT_INPUTS, ndim=2)
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     check_tensor("cache", cache)
@@ -148,11 +154,12 @@ def insert_indexer_k(
     k: ``[num_tokens, D]`` bf16/fp16/fp32 (D = index_head_dim, 128 in production).
     slot_mapping: ``[num_tokens]`` int32/int64, -1 = skip. cache: fp8 mode (``"fp8_ds_mla"``) ->
     ``(num_blocks, block_size, D + 4)`` uint8 view whose block stride is the page size
-    (:func:`dsv4attn.reference.cache_ops.alloc_indexer_k_cache`): the entry's D e4m3fn bytes at
+    (:func:`dsv4attn.kv_cache.layout.alloc_indexer_k_cache`): the entry's D e4m3fn bytes at
     ``off*D`` and its fp32 scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` (amax of the
     bf16-rounded key) at ``block_size*D + off*4``; ``"auto"`` -> ``(num_blocks, block_size, D)``
     bf16/fp32 rows.
     """
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     check_tensor("k", k, dtype=_FLOAT_INPUTS, ndim=2)
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     check_tensor("cache", cache)
@@ -161,15 +168,7 @@ def insert_indexer_k(
     if k.stride(1) != 1:
         raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
     if kv_cache_dtype == "fp8_ds_mla":
-        check_tensor("cache", cache, dtype=torch.uint8, ndim=3)
-        bs = cache.shape[1]
-        if cache.shape[2] != dim + INDEXER_SCALE_BYTES or cache.stride(2) != 1:
-            raise ValueError(f"cache must be (num_blocks, block_size, {dim + INDEXER_SCALE_BYTES}) uint8 "
-                             f"with contiguous bytes, got {tuple(cache.shape)} strides {cache.stride()}")
-        if cache.shape[0] > 1 and cache.stride(0) < bs * (dim + INDEXER_SCALE_BYTES):
-            raise ValueError(f"cache block stride {cache.stride(0)} < page bytes {bs * (dim + 4)}")
-        if cache.stride(1) != dim + INDEXER_SCALE_BYTES and bs > 1:
-            raise ValueError(f"cache entry stride must be {dim + 4}, got {cache.stride(1)}")
+        check_indexer_k_cache("cache", cache, dim)
     elif kv_cache_dtype == "auto":
         _check_row_cache("cache", cache, dim)
     else:
