@@ -45,15 +45,18 @@ KVCacheDtype = Literal["fp8_ds_mla", "auto"]
 #: Compress ratios DeepSeek-V4 accepts per layer (0 in a HF config means 1 = SWA-only).
 SUPPORTED_RATIOS = (1, 4, 128)
 __all__ = [
-    "INDEXER_SCALE_BYTES", "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
+    "GROUPS", "GROUP_C128_STATE", "GROUP_C4_STATE", "GROUP_FULL_MLA", "GROUP_SWA", "INDEXER_SCALE_BYTES", "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
     "compressor_overlap", "indexer_entry_bytes", "layer_cache_specs", "state_row_width", "state_window",
     "v4_flash_config",
 ]
 
+#: The cache groups, one name each, used by the specs, the allocator, the metadata and the
+#: runner alike (vLLM's KV-cache groups of DeepSeek-V4, dsv4-system.md 3.3).
 GROUP_FULL_MLA = "full_mla"
 GROUP_SWA = "swa"
 GROUP_C4_STATE = "c4_state"
 GROUP_C128_STATE = "c128_state"
+GROUPS = (GROUP_FULL_MLA, GROUP_SWA, GROUP_C4_STATE, GROUP_C128_STATE)
 
 
 @dataclass(frozen=True)

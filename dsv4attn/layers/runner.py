@@ -21,7 +21,7 @@ from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups, layer_cache_specs
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.paged import LayerCaches, layer_step
-from dsv4attn.metadata import GROUP_C4, GROUP_C128, GROUP_SWA, BatchMetadata, MetadataConfig, StepMetadataBuilder
+from dsv4attn.metadata import GROUP_FULL_MLA, GROUP_SWA, BatchMetadata, MetadataConfig, StepMetadataBuilder
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
@@ -194,8 +194,7 @@ class AttentionRunner:
         dev = self.device
         tables = {GROUP_SWA: self.manager.block_table(order, "swa", device=dev)}
         if self.layer.ratio > 1:
-            tables[GROUP_C4 if self.layer.ratio == 4 else GROUP_C128] = self.manager.block_table(
-                order, "full_mla", device=dev)
+            tables[GROUP_FULL_MLA] = self.manager.block_table(order, GROUP_FULL_MLA, device=dev)
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.specs["swa_kv"].block_size,
                                             device=dev)
         step_meta = self.builder.build(batch, impl=self.impl)

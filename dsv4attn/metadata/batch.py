@@ -8,8 +8,10 @@ sits at position ``p = seq_len[q] - query_len[q] + (t - query_start_loc[q])``.
 Padding follows the engine convention: a padded token (e.g. a CUDA-graph pad request) is an
 ordinary token whose raw ``slot_mapping`` is -1; builders give it zero-length candidate sets.
 
-Per-group block tables are keyed by group name (``GROUP_SWA``, ``GROUP_C4``, ``GROUP_C128``); the
-two compressed groups may share one tensor (vLLM's "full-MLA" group does).
+Per-group block tables are keyed by the cache-group names of :mod:`dsv4attn.kv_cache.specs`:
+``"swa"`` (SWA KV) and ``"full_mla"`` (the compressed KV of C4A and C128A layers and the C4A
+indexer keys share it, as in vLLM); the state groups ``"c4_state"`` / ``"c128_state"`` may be
+given too.
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ from types import MappingProxyType
 import torch
 
 from dsv4attn._checks import check_tensor
+from dsv4attn.kv_cache.specs import GROUP_FULL_MLA, GROUP_SWA, GROUPS
 
-#: Group names of the per-group block tables.
-GROUP_SWA = "swa"
-GROUP_C4 = "c4"
-GROUP_C128 = "c128"
-GROUPS = (GROUP_SWA, GROUP_C4, GROUP_C128)
+#: Deprecated aliases (the compressed block tables of both ratios are the full-MLA group's).
+GROUP_C4 = GROUP_C128 = GROUP_FULL_MLA
 
 
 def _host_ints(name: str, v: object, dtype: torch.dtype = torch.int32) -> list[int]:

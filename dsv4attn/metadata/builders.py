@@ -27,7 +27,8 @@ from types import MappingProxyType
 
 import torch
 
-from dsv4attn.metadata.batch import GROUP_C4, GROUP_C128, GROUP_SWA, BatchMetadata
+from dsv4attn.kv_cache.specs import GROUP_FULL_MLA, GROUP_SWA
+from dsv4attn.metadata.batch import BatchMetadata
 from dsv4attn.ops import metadata as ops
 from dsv4attn.kv_cache import slots
 from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT
@@ -74,7 +75,13 @@ class MetadataConfig:
             if self.mla_block_size % r:
                 raise ValueError(f"mla_block_size {self.mla_block_size} must be a multiple of ratio {r}")
         nb = self.num_blocks
-        nb = {g: nb for g in (GROUP_SWA, GROUP_C4, GROUP_C128)} if isinstance(nb, int) else dict(nb)
+        if isinstance(nb, bool) or not isinstance(nb, (int, Mapping)):
+            raise TypeError(f"MetadataConfig.num_blocks must be an int or a mapping group -> int, got {nb!r}")
+        nb = {g: nb for g in (GROUP_SWA, GROUP_FULL_MLA)} if isinstance(nb, int) else dict(nb)
+        needed = (GROUP_SWA, GROUP_FULL_MLA) if ratios else (GROUP_SWA,)
+        missing = [g for g in needed if g not in nb]
+        if missing:
+            raise ValueError(f"MetadataConfig.num_blocks lacks cache group(s) {missing} (needed: {list(needed)})")
         for g, v in nb.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MetadataConfig.num_blocks[{g!r}] must be an int >= 1, got {v!r}")
@@ -239,7 +246,7 @@ class StepMetadataBuilder:
         for r in c.compress_ratios:
             n = sl_max // r
             need = (n - 1) // c.entries_per_block(r) + 1 if n else 0
-            self._check_columns(batch, GROUP_C4 if r == 4 else GROUP_C128, need, sl_max)
+            self._check_columns(batch, GROUP_FULL_MLA, need, sl_max)
         if c.validate_block_ids and batch.num_reqs:
             sl = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
             ql = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
@@ -251,7 +258,7 @@ class StepMetadataBuilder:
             for r in c.compress_ratios:
                 n = sl // r
                 hi = torch.where(has_tokens & (n > 0), (n - 1) // c.entries_per_block(r) + 1, torch.zeros_like(n))
-                self._check_ids(batch, GROUP_C4 if r == 4 else GROUP_C128, torch.zeros_like(hi), hi)
+                self._check_ids(batch, GROUP_FULL_MLA, torch.zeros_like(hi), hi)
 
     @staticmethod
     def _check_columns(batch: BatchMetadata, group: str, need: int, seq_len: int) -> None:
@@ -301,7 +308,7 @@ class StepMetadataBuilder:
             swa = SWAMetadata(swa_bt, c.swa_block_size, c.window_size, idx, lens, None, None)
         comp: dict[int, CompressedMetadata] = {}
         for r in c.compress_ratios:
-            bt = batch.block_tables[GROUP_C4 if r == 4 else GROUP_C128]
+            bt = batch.block_tables[GROUP_FULL_MLA]
             bs = c.entries_per_block(r)
             buf = self.slot_mapping[r] if form == "full" else self.slot_mapping[r][:t]
             csm = ops.get_compressed_slot_mapping(t, batch.query_start_loc, batch.seq_lens, bt, bs, r, out=buf,
