@@ -169,8 +169,11 @@ class AttentionConfig:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
         if self.rope_dim % 2 or self.rope_dim >= self.head_dim:
             raise ValueError(f"rope_dim must be even and < head_dim={self.head_dim}, got {self.rope_dim}")
-        if (self.num_heads * self.head_dim) % self.o_groups or self.num_heads % self.o_groups:
-            raise ValueError(f"num_heads={self.num_heads} must be divisible by o_groups={self.o_groups}")
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            # The grouped output projection splits the H * D attention output into o_groups equal
+            # parts (as the reference does); heads need not divide evenly.
+            raise ValueError(f"num_heads * head_dim = {self.num_heads * self.head_dim} must be divisible by "
+                             f"o_groups={self.o_groups}")
         if not self.layer_kinds or len(self.layer_kinds) != len(self.compress_ratios):
             raise ValueError(
                 f"layer_kinds ({len(self.layer_kinds)}) and compress_ratios ({len(self.compress_ratios)}) "
@@ -219,14 +222,23 @@ class AttentionConfig:
     # ---- HF bridge ------------------------------------------------------------------------
     @staticmethod
     def from_hf(hf_config: Any) -> "AttentionConfig":
-        """Read a HF ``DeepseekV4Config`` (transformers >= 5.17) or an object with its fields.
+        """Read a HF ``DeepseekV4Config`` (transformers >= 5.17), a ``config.json`` dict, or any
+        object with the same fields. Missing required fields raise ``ValueError`` naming them.
 
         Layer schedule: ``layer_types`` with ``compress_rates`` if present, else the legacy
         per-layer ``compress_ratios`` (0 -> sliding). RoPE: ``rope_parameters["main"]`` and
         ``["compress"]`` when nested, else built from ``rope_theta`` / ``compress_rope_theta``
         (+ the flat scaling keys for the compress table, as the HF config does).
         """
-        get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        if isinstance(hf_config, dict):
+            get = hf_config.get
+        else:
+            get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        required = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                    "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "num_hidden_layers")
+        missing = [k for k in required if get(k) is None]
+        if missing:
+            raise ValueError(f"hf_config lacks required field(s) {missing}")
         head_dim = get("head_dim")
         rope_dim = get("qk_rope_head_dim")
         if rope_dim is None:
@@ -247,7 +259,7 @@ class AttentionConfig:
                 raise ValueError(f"hf_config.layer_types[{i}] = {t!r} is not a DeepSeek-V4 attention type")
             kinds.append(HF_LAYER_TYPE_TO_KIND[t])
             ratios.append(1 if t == "sliding_attention" else int(rates[t]))
-        rp = get("rope_parameters") or {}
+        rp = get("rope_parameters") or get("rope_scaling") or {}  # config.json files carry rope_scaling
         if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
             main_rope = RopeConfig.from_hf_params(rp["main"])
             compress_rope = RopeConfig.from_hf_params(rp["compress"])

@@ -33,6 +33,7 @@ from dsv4attn.kv_cache.layout import (
     INDEXER_SCALE_BYTES,
     FP8DSMLALayout,
     IndexerKLayout,
+    normalize_kv_cache_dtype,
     compressor_coff,
     compressor_overlap,
     page_bytes,
@@ -47,7 +48,7 @@ SUPPORTED_RATIOS = (1, 4, 128)
 __all__ = [
     "GROUPS", "GROUP_C128_STATE", "GROUP_C4_STATE", "GROUP_FULL_MLA", "GROUP_SWA", "INDEXER_SCALE_BYTES", "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
     "compressor_overlap", "indexer_entry_bytes", "layer_cache_specs", "state_row_width", "state_window",
-    "v4_flash_config",
+    "v4_flash_config", "V4_FLASH_COMPRESS_RATIOS",
 ]
 
 #: The cache groups, one name each, used by the specs, the allocator, the metadata and the
@@ -86,9 +87,12 @@ class CacheConfig:
         bad = [r for r in self.compress_ratios if r not in (0, *SUPPORTED_RATIOS)]
         if bad:
             raise ValueError(f"compress_ratios entries must be 0, 1, 4 or 128, got {bad}")
-        if self.kv_cache_dtype not in ("fp8_ds_mla", "auto"):
-            raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {self.kv_cache_dtype!r}")
-        FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)  # validates the dims
+        object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            # fp8 pages quantise NoPE in 64-wide tiles: the limit of the page format, named here.
+            FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)
+        elif not 0 <= self.rope_dim < self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be even and in [0, head_dim={self.head_dim}), got {self.rope_dim}")
         for name in ("index_head_dim", "sliding_window", "block_size", "swa_block_size",
                      "c4_state_block_size", "c128_state_block_size"):
             if getattr(self, name) <= 0:
@@ -129,8 +133,8 @@ class CacheConfig:
 
     @property
     def page_align(self) -> int:
-        """Alignment of fp8 pages: one token-data row (576 B in production)."""
-        return self.layout.page_align
+        """Alignment of fp8 pages: one token-data row, ``nope + 2 * rope`` bytes (576 in production)."""
+        return self.head_dim + self.rope_dim
 
     def ratio(self, layer: int) -> int:
         """Effective compress ratio of ``layer`` (0 in the HF config means 1)."""
@@ -270,13 +274,13 @@ def cache_groups(cfg: CacheConfig) -> list[GroupSpec]:
     return [GroupSpec(n, k, tpb, w, tuple(by_group[n])) for n, k, tpb, w in defs if n in by_group]
 
 
-def v4_flash_config(kv_cache_dtype: KVCacheDtype = "fp8_ds_mla") -> CacheConfig:
-    """DeepSeek-V4-Flash cache config: 43 layers, layers 0-1 SWA-only, then C4A on even and
-    C128A on odd layer indices (21 C4A + 20 C128A).
+#: DeepSeek-V4-Flash ``compress_ratios`` as published in its config.json: 43 layers (0, 0, then
+#: 4 on even and 128 on odd indices: 21 C4A + 20 C128A) plus the MTP layer's entry (0, SWA-only).
+V4_FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
 
-    The pattern is **partially confirmed**: taken from a third-party summary of the official
-    model card (antirez/ds4 MODEL_CARD.md), consistent with the "21 C4A layers" count in
-    docs/performance.md; not read from the released config.json.
-    """
-    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
-    return CacheConfig(compress_ratios=ratios, kv_cache_dtype=kv_cache_dtype)
+
+def v4_flash_config(kv_cache_dtype: str = "fp8_ds_mla", include_mtp: bool = False) -> CacheConfig:
+    """DeepSeek-V4-Flash cache config: the published layer schedule (:data:`V4_FLASH_COMPRESS_RATIOS`),
+    the 43 main layers, or 44 with ``include_mtp`` (the MTP layer's SWA-only attention)."""
+    ratios = V4_FLASH_COMPRESS_RATIOS if include_mtp else V4_FLASH_COMPRESS_RATIOS[:43]
+    return CacheConfig(compress_ratios=ratios, kv_cache_dtype=normalize_kv_cache_dtype(kv_cache_dtype))

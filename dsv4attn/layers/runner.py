@@ -87,7 +87,7 @@ class AttentionRunner:
         self.manager = KVCacheManager(cache_groups(self.cache_config), num_blocks)
         specs = {s.name: s for s in layer_cache_specs(self.cache_config, 0)}
         self.specs = specs
-        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim)
+        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim) if kv_cache_dtype == "fp8_ds_mla" else None
 
         def kv_cache(block_size: int) -> torch.Tensor:
             if kv_cache_dtype == "fp8_ds_mla":
