@@ -1,4 +1,5 @@
-"""The DeepSeek-V4 attention layer (all three kinds), its compressor, indexer and runner.
+"""The DeepSeek-V4 attention layer (all three kinds) and its pieces: compressor, indexer, RoPE,
+norms; and (until it moves to ``dsv4attn.serving``) the runner.
 
 - :class:`DeepseekV4Attention`: checkpoint-compatible module; ``forward`` is the cache-free
   whole-sequence spec.
