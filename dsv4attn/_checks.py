@@ -31,8 +31,8 @@ def check_tensor(
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-            want = tuple("*" if s is None else s for s in shape)
-            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+            want_shape = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name} must have shape {want_shape}, got {tuple(t.shape)}")
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     return t

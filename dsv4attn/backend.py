@@ -17,7 +17,7 @@ import torch
 
 from dsv4attn.device import supported_paths
 from dsv4attn.metadata.batch import BatchMetadata
-from dsv4attn.metadata.builders import MetadataConfig, StepMetadata, StepMetadataBuilder
+from dsv4attn.metadata.builders import StepMetadata, StepMetadataBuilder
 from dsv4attn.kv_cache.layout import (
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
@@ -335,8 +335,8 @@ class DeepseekV4SparseBackend:
                                  ("use_kv_connector", cls.supports_kv_connector, "KV connector")):
             if flags.get(flag) and not pred():
                 reasons.append(f"{what} not supported")
-        cap = flags.get("device_capability")
-        if cap is not None and not cls.supports_compute_capability(cap):
+        dev_cap = flags.get("device_capability")
+        if dev_cap is not None and not cls.supports_compute_capability(dev_cap):
             reasons.append("compute capability not supported (need sm80+)")
         if "attn_type" in flags and not cls.supports_attn_type(flags["attn_type"]):
             reasons.append(f"attention type {flags['attn_type']} not supported")

@@ -86,12 +86,13 @@ class RopeConfig:
             return extrapolated
         interpolated = 1.0 / (self.factor * pos_freqs)
         orig = self.original_max_position_embeddings
+        assert orig is not None  # checked in __post_init__ for yarn
 
         def correction_dim(num_rotations: float) -> float:
             return (rope_dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(self.theta))
 
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
+        high: float = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp (same guard as the YaRN reference)
         ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -230,6 +231,7 @@ class AttentionConfig:
         ``["compress"]`` when nested, else built from ``rope_theta`` / ``compress_rope_theta``
         (+ the flat scaling keys for the compress table, as the HF config does).
         """
+        get: Any
         if isinstance(hf_config, dict):
             get = hf_config.get
         else:

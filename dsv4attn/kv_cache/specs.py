@@ -23,7 +23,7 @@ Sizes are functions of :class:`CacheConfig`, so small test models get consistent
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,7 +46,8 @@ KVCacheDtype = Literal["fp8_ds_mla", "auto"]
 #: Compress ratios DeepSeek-V4 accepts per layer (0 in a HF config means 1 = SWA-only).
 SUPPORTED_RATIOS = (1, 4, 128)
 __all__ = [
-    "GROUPS", "GROUP_C128_STATE", "GROUP_C4_STATE", "GROUP_FULL_MLA", "GROUP_SWA", "INDEXER_SCALE_BYTES", "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
+    "GROUPS", "GROUP_C128_STATE", "GROUP_C4_STATE", "GROUP_FULL_MLA", "GROUP_SWA", "INDEXER_SCALE_BYTES",
+    "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
     "compressor_overlap", "indexer_entry_bytes", "layer_cache_specs", "state_row_width", "state_window",
     "v4_flash_config", "V4_FLASH_COMPRESS_RATIOS",
 ]
@@ -80,7 +81,7 @@ class CacheConfig:
     swa_block_size: int = 64
     c4_state_block_size: int = 4
     c128_state_block_size: int = 8
-    kv_cache_dtype: KVCacheDtype = "fp8_ds_mla"
+    kv_cache_dtype: str = "fp8_ds_mla"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
@@ -108,7 +109,7 @@ class CacheConfig:
         Reads ``compress_ratios`` (or ``layer_types`` mapped through ``compress_rates``),
         ``head_dim``, ``qk_rope_head_dim``, ``index_head_dim``, ``sliding_window``.
         """
-        get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+        get: Any = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
         ratios = get("compress_ratios")
         if ratios is None:
             rates = {"sliding_attention": 1, "compressed_sparse_attention": 4,
@@ -203,7 +204,7 @@ class GroupSpec:
         return sum(c.page_bytes for c in self.caches)
 
 
-def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: KVCacheDtype) -> int:
+def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: str) -> int:
     """fp8: ``index_head_dim`` fp8 bytes + one fp32 scale (132 B); auto: bf16 row (256 B)."""
     if kv_cache_dtype == "fp8_ds_mla":
         return IndexerKLayout(index_head_dim).entry_bytes
@@ -265,7 +266,7 @@ def cache_groups(cfg: CacheConfig) -> list[GroupSpec]:
     for layer in range(cfg.num_layers):
         for spec in layer_cache_specs(cfg, layer):
             by_group.setdefault(spec.group, []).append(spec)
-    defs = [
+    defs: list[tuple[str, Literal["full", "sliding"], int, int | None]] = [
         (GROUP_FULL_MLA, "full", cfg.block_size, None),
         (GROUP_SWA, "sliding", cfg.swa_block_size, cfg.sliding_window),
         (GROUP_C4_STATE, "sliding", cfg.c4_state_block_size, state_window(4)),

@@ -216,7 +216,8 @@ def format_table(results: list[DemoResult]) -> str:
         cells = [r.size, r.device, str(r.requests), str(r.tokens), str(r.steps),
                  *[f"{r.max_err.get(k, float('nan')):.2e}" for k in kinds],
                  *[f"{r.ref_bf16_err[k]:.2e}" if k in r.ref_bf16_err else "-" for k in kinds],
-                 str(r.tie_tokens), f"{r.kv_bytes_per_token:.0f}", f"{r.kv_bytes_per_token_limit:.0f}", f"{r.dense_bytes_per_token:.0f}", f"{r.seconds:.1f}"]
+                 str(r.tie_tokens), f"{r.kv_bytes_per_token:.0f}", f"{r.kv_bytes_per_token_limit:.0f}",
+                 f"{r.dense_bytes_per_token:.0f}", f"{r.seconds:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

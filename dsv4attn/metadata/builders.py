@@ -21,6 +21,7 @@ starts[t] + lengths[t] - 1`` of its request's stream through the group's block t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -256,8 +257,9 @@ class StepMetadataBuilder:
             hi = torch.where(has_tokens, (sl - 1) // c.swa_block_size + 1, lo)
             self._check_ids(batch, GROUP_SWA, lo, hi)
             for r in c.compress_ratios:
-                n = sl // r
-                hi = torch.where(has_tokens & (n > 0), (n - 1) // c.entries_per_block(r) + 1, torch.zeros_like(n))
+                n_ent = sl // r
+                hi = torch.where(has_tokens & (n_ent > 0), (n_ent - 1) // c.entries_per_block(r) + 1,
+                                 torch.zeros_like(n_ent))
                 self._check_ids(batch, GROUP_FULL_MLA, torch.zeros_like(hi), hi)
 
     @staticmethod
@@ -274,7 +276,7 @@ class StepMetadataBuilder:
         need = int(hi.max())
         if need == 0:
             return
-        nb = self.config.num_blocks.get(group)
+        nb = cast(Mapping[str, int], self.config.num_blocks)[group]
         cols = torch.arange(need, device=bt.device)[None, :]
         used = (cols >= lo.to(bt.device)[:, None]) & (cols < hi.to(bt.device)[:, None])
         tab = bt[: batch.num_reqs, :need]

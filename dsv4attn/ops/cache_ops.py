@@ -59,7 +59,7 @@ def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, capacity: int, val
 
 
 def _check_row_cache(name: str, cache: object, dim: int) -> torch.Tensor:
-    check_tensor(name, cache, dtype=_ROW_CACHE_DTYPES, ndim=3)
+    cache = check_tensor(name, cache, dtype=_ROW_CACHE_DTYPES, ndim=3)
     if cache.shape[2] != dim or cache.stride(2) != 1:
         raise ValueError(f"{name} must be (num_blocks, block_size, {dim}) with a contiguous last dim, "
                          f"got shape {tuple(cache.shape)} strides {cache.stride()}")
@@ -130,6 +130,7 @@ def insert_kv(
     if kv_cache_dtype == "auto":
         _launch_rows(kv, slot_mapping, cache)
         return
+    assert layout is not None  # resolved above for fp8_ds_mla
     _insert_kv_fp8_kernel[(num_tokens,)](
         kv, slot_mapping, cache,
         kv.stride(0), cache.stride(0), cache.shape[1], cache.shape[0] * cache.shape[1],
