@@ -88,7 +88,7 @@ class DeepseekV4Attention(nn.Module):
         return comp.indexer if isinstance(comp, CSACompressor) else None
 
     def _csa_indexer(self) -> Indexer:
-        idx = self._csa_indexer()
+        idx = self.indexer
         if idx is None:
             raise ValueError(f"layer {self.layer_idx} is a {self.kind!r} layer: only CSA layers have an indexer")
         return idx
