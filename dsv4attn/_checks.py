@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -48,3 +49,50 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
         if d != first:
             raise ValueError(f"all tensors must be on one device: {name} is on {d}, expected {first}")
     return first
+
+
+#: Largest int32 value: slots and lengths written as int32 must stay at or below it.
+INT32_MAX = 2**31 - 1
+
+
+def check_int(name: str, v: object, lo: int | None = None, hi: int | None = None) -> int:
+    """``TypeError`` unless ``v`` is an int (bools refused); ``ValueError`` outside ``[lo, hi]``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def check_float(name: str, v: object, *, positive: bool = False) -> float:
+    """``TypeError`` unless ``v`` is a real number; ``ValueError`` unless finite (and > 0)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    if not math.isfinite(v) or (positive and not v > 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number, got {v!r}")
+    return float(v)
+
+
+def check_values(name: str, t: torch.Tensor, lo: int | None = None, hi: int | None = None) -> None:
+    """``ValueError`` naming ``name`` unless every element of the integer tensor ``t`` lies in
+    ``[lo, hi]`` (one host sync; nothing for an empty tensor)."""
+    if t.numel() == 0:
+        return
+    mn, mx = (int(x) for x in torch.aminmax(t.reshape(-1)))
+    if lo is not None and mn < lo:
+        raise ValueError(f"{name} holds {mn}, below the smallest allowed value {lo}")
+    if hi is not None and mx > hi:
+        raise ValueError(f"{name} holds {mx}, above the largest allowed value {hi}")
+
+
+def as_device(name: str, device: object) -> torch.device:
+    """A canonical ``torch.device`` (``cuda`` -> ``cuda:N``); ``ValueError``/``TypeError`` naming
+    ``name`` for anything torch does not accept as a device."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{name} {device!r} is not a usable device: {e}") from None

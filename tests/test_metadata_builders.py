@@ -162,11 +162,13 @@ def test_buffer_addresses_stable_across_builds(device):
 def test_global_topk_through_builder(impl, device):
     builder = StepMetadataBuilder(make_config("range", index_topk=16), device)
     step = builder.build(make_batch([1, 1, 3], [100, 2000, 900], [False, True, False, False, False], 2, device))
-    loc = torch.tensor([[0, 5, -1], [1, 2, 3], [-1, -1, -1], [63, 64, 200], [7, -1, 9]], dtype=torch.int32)
+    # Entry 25 of token 0 (position 99 sees entries 0..24) and every entry of the padded token 1
+    # are past the token's own context: holes, never another request's blocks.
+    loc = torch.tensor([[0, 5, 25], [1, 2, 3], [-1, -1, -1], [63, 64, 200], [7, -1, 9]], dtype=torch.int32)
     g, lens = builder.global_topk(step, loc.to(device), impl=impl)
     mla = step.batch.block_tables["full_mla"].tolist()
-    reqs = [0, 1, 2, 2, 2]
-    want = [[slot(mla, reqs[t], i, 64) if i >= 0 else -1 for i in row] for t, row in enumerate(loc.tolist())]
+    reqs, limit = [0, 1, 2, 2, 2], [25, 0, 224, 224, 225]
+    want = [[slot(mla, reqs[t], i, 64) if 0 <= i < limit[t] else -1 for i in row] for t, row in enumerate(loc.tolist())]
     assert g.tolist() == want and lens.tolist() == [2, 0, 0, 3, 2]
     with pytest.raises(ValueError, match="topk_local"):
         builder.global_topk(step, torch.zeros(5, 17, dtype=torch.int32, device=device))
@@ -222,7 +224,7 @@ def test_bytes_follow_real_context_not_max_model_len():
     the real-context form writes round_up(n, 128) and the range form one length per token."""
     from dsv4attn.metadata import metadata_bytes_written
 
-    cfg = MetadataConfig(max_num_batched_tokens=8192, max_num_reqs=64, max_model_len=1 << 20, num_blocks=1 << 30)
+    cfg = MetadataConfig(max_num_batched_tokens=8192, max_num_reqs=64, max_model_len=1 << 20, num_blocks=1 << 20)
     tabs = {g: torch.zeros(64, 1, dtype=torch.int32) for g in ("swa", "full_mla")}
     batch = BatchMetadata.from_requests([1] * 64, [8192] * 64, tabs, torch.zeros(64, dtype=torch.int64))
     full = metadata_bytes_written(batch, cfg, "full")

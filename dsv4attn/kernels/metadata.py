@@ -161,18 +161,25 @@ def _global_topk_kernel(
     stride_out,
     lens_ptr,  # int32 [>= T]
     K,
+    limit_ptr,  # int32 [T]: entries >= limit[t] are holes (read only when HAS_LIMIT)
+    HAS_LIMIT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     req = tl.load(t2r_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     count = tl.zeros([BLOCK_K], dtype=tl.int32)
+    if HAS_LIMIT:
+        lim = tl.load(limit_ptr + t)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
         m = k < K
         i = tl.load(local_ptr + t.to(tl.int64) * stride_local + k, mask=m, other=-1)
-        count += (i >= 0).to(tl.int32)
-        slot, v = entry_slot(bt_ptr, req, i, m & (i >= 0), stride_bt_req, stride_bt_col, max_blocks, block_size)
+        ok = i >= 0
+        if HAS_LIMIT:
+            ok = ok & (i < lim)
+        count += (m & ok).to(tl.int32)
+        slot, v = entry_slot(bt_ptr, req, i, m & ok, stride_bt_req, stride_bt_col, max_blocks, block_size)
         tl.store(out_ptr + t.to(tl.int64) * stride_out + k, slot.to(tl.int32), mask=m)
     ok = tl.load(valid_ptr + t).to(tl.int1)
     tl.store(lens_ptr + t, tl.where(ok, tl.sum(count, axis=0), 0))

@@ -145,13 +145,17 @@ def compute_global_topk_indices_and_lens_ref(
     is_valid_token: torch.Tensor,
     out: torch.Tensor,
     lens_out: torch.Tensor,
+    entry_limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``compute_global_topk_indices_and_lens``."""
     num_tokens, k = topk_local.shape
     local = topk_local.long()
     req = token_to_req_indices.long()[:, None].expand(num_tokens, k)
-    out[:num_tokens, :k] = entry_slots(block_table, req, local, block_size, local >= 0).to(torch.int32)
-    count = (local >= 0).sum(dim=1)
+    ok = local >= 0
+    if entry_limit is not None:
+        ok = ok & (local < entry_limit[:num_tokens, None].long())
+    out[:num_tokens, :k] = entry_slots(block_table, req, local, block_size, ok).to(torch.int32)
+    count = ok.sum(dim=1)
     lens_out[:num_tokens] = torch.where(is_valid_token, count, torch.zeros_like(count)).to(torch.int32)
     return out[:num_tokens, :k], lens_out[:num_tokens]
 
