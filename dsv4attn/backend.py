@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dsv4attn._checks import INT32_MAX, check_int
 from dsv4attn.device import supported_paths
 from dsv4attn.metadata.batch import BatchMetadata
 from dsv4attn.metadata.builders import StepMetadata, StepMetadataBuilder
@@ -258,6 +259,8 @@ class DeepseekV4SparseBackend:
     @classmethod
     def page_size_bytes(cls, block_size: int, head_size: int = HEAD_SIZE, cache_dtype_str: str = "auto") -> int:
         """Bytes of one block (the block stride): 576-aligned for fp8_ds_mla, 512-aligned bf16 rows."""
+        check_int("block_size", block_size, 1, INT32_MAX)
+        check_int("head_size", head_size, 1, INT32_MAX)
         if normalize_kv_cache_dtype(cache_dtype_str, "cache_dtype_str") == "fp8_ds_mla":
             return cls.layout(head_size).page_bytes(block_size)
         return round_up(block_size * head_size * 2, AUTO_PAGE_ALIGN)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dsv4attn._checks import check_float, check_int
+
 #: Layer kinds, in the order of the HF names below.
 LAYER_KINDS = ("sliding", "csa", "hca")
 #: HF ``layer_types`` value -> our layer kind.
@@ -44,7 +46,8 @@ ROPE_TYPES = ("default", "yarn")
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    check_int(name, value)
+    if value <= 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -68,8 +71,9 @@ class RopeConfig:
     attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.theta, (int, float)) and self.theta > 0):
-            raise ValueError(f"theta must be a positive number, got {self.theta!r}")
+        check_float("theta", self.theta, positive=True)
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            check_float(name, getattr(self, name))
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
         if self.rope_type == "yarn":
@@ -166,8 +170,13 @@ class AttentionConfig:
             "window_size", "index_num_heads", "index_head_dim", "index_topk", "max_position_embeddings",
         ):
             _positive_int(name, getattr(self, name))
+        for name in ("layer_kinds", "compress_ratios"):
+            if isinstance(getattr(self, name), (str, bytes)) or not hasattr(getattr(self, name), "__iter__"):
+                raise TypeError(f"{name} must be a sequence, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for i, r in enumerate(self.compress_ratios):
+            check_int(f"compress_ratios[{i}]", r)
         if self.rope_dim % 2 or self.rope_dim >= self.head_dim:
             raise ValueError(f"rope_dim must be even and < head_dim={self.head_dim}, got {self.rope_dim}")
         if (self.num_heads * self.head_dim) % self.o_groups:
@@ -187,8 +196,10 @@ class AttentionConfig:
                 raise ValueError(f"layer {i}: kind {kind!r} needs ratio 1 iff sliding (ratio >= 2 otherwise), got {ratio}")
         if "csa" in self.layer_kinds and self.index_head_dim <= self.rope_dim:
             raise ValueError(f"index_head_dim={self.index_head_dim} must exceed rope_dim={self.rope_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        check_float("rms_norm_eps", self.rms_norm_eps, positive=True)
+        for name in ("main_rope", "compress_rope"):
+            if not isinstance(getattr(self, name), RopeConfig):
+                raise TypeError(f"{name} must be a RopeConfig, got {type(getattr(self, name)).__name__}")
 
     # ---- derived --------------------------------------------------------------------------
     @property

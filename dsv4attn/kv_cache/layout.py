@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4attn._checks import check_int
+
 #: Largest finite float8 e4m3fn magnitude.
 FP8_E4M3_MAX = 448.0
 #: Lower clamp on a tile's amax before the exponent is taken (FlashMLA / vLLM quantiser).
@@ -103,7 +105,9 @@ class FP8DSMLALayout:
     tile: int = 64
 
     def __post_init__(self) -> None:
-        if self.nope_dim <= 0 or self.nope_dim % self.tile:
+        for name in ("nope_dim", "rope_dim", "tile"):
+            check_int(name, getattr(self, name), 0)
+        if self.tile <= 0 or self.nope_dim <= 0 or self.nope_dim % self.tile:
             raise ValueError(f"nope_dim must be a positive multiple of {self.tile}, got {self.nope_dim}")
         if self.rope_dim < 0 or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even and >= 0, got {self.rope_dim}")
@@ -168,6 +172,8 @@ def alloc_fp8_ds_mla_cache(
 
     ``fill`` is the byte every page starts with (``None`` leaves memory uninitialised).
     """
+    check_int("num_blocks", num_blocks, 1)
+    check_int("block_size", block_size, 1)
     page = layout.page_bytes(block_size)
     flat = torch.empty(num_blocks * page, dtype=torch.uint8, device=device)
     if fill is not None:
@@ -293,8 +299,8 @@ def quantize_fp8_ds_mla(x: torch.Tensor, layout: FP8DSMLALayout | None = None) -
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
-    if x.dim() != 3:
-        raise ValueError(f"x must have shape (num_blocks, block_size, head_dim), got {tuple(x.shape)}")
+    if x.dim() != 3 or 0 in x.shape:
+        raise ValueError(f"x must have shape (num_blocks, block_size, head_dim), all > 0, got {tuple(x.shape)}")
     layout = layout or layout_for_head_dim(x.shape[2], 64)
     if x.shape[2] != layout.head_dim:
         raise ValueError(f"x last dim must be head_dim={layout.head_dim}, got {x.shape[2]}")
@@ -351,8 +357,7 @@ def alloc_indexer_k_cache(num_blocks: int, block_size: int, index_head_dim: int 
                           align: int = DEFAULT_PAGE_ALIGN) -> torch.Tensor:
     """``(num_blocks, block_size, index_head_dim + 4)`` uint8 view with padded block stride."""
     for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("index_head_dim", index_head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(name, v, 1)
     lay = IndexerKLayout(index_head_dim, align)
     page = lay.page_bytes(block_size)
     flat = torch.empty(num_blocks * page, dtype=torch.uint8, device=device)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from dsv4attn._checks import INT32_MAX, check_int
 from dsv4attn.kv_cache.layout import (
     BF16_BYTES,
     FP32_BYTES,
@@ -84,7 +85,14 @@ class CacheConfig:
     kv_cache_dtype: str = "fp8_ds_mla"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        if isinstance(self.compress_ratios, (str, bytes)) or not hasattr(self.compress_ratios, "__iter__"):
+            raise TypeError(f"compress_ratios must be a sequence of ints, got {type(self.compress_ratios).__name__}")
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for i, r in enumerate(self.compress_ratios):
+            check_int(f"compress_ratios[{i}]", r)
+        for name in ("head_dim", "rope_dim", "index_head_dim", "sliding_window", "block_size", "swa_block_size",
+                     "c4_state_block_size", "c128_state_block_size"):
+            check_int(name, getattr(self, name), 0 if name == "rope_dim" else 1, INT32_MAX)
         bad = [r for r in self.compress_ratios if r not in (0, *SUPPORTED_RATIOS)]
         if bad:
             raise ValueError(f"compress_ratios entries must be 0, 1, 4 or 128, got {bad}")
@@ -94,10 +102,6 @@ class CacheConfig:
             FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)
         elif not 0 <= self.rope_dim < self.head_dim or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even and in [0, head_dim={self.head_dim}), got {self.rope_dim}")
-        for name in ("index_head_dim", "sliding_window", "block_size", "swa_block_size",
-                     "c4_state_block_size", "c128_state_block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for r in (4, 128):
             if r in self.compress_ratios and self.block_size % r:
                 raise ValueError(f"block_size {self.block_size} must be a multiple of compress ratio {r}")

@@ -8,7 +8,10 @@
 Slot semantics everywhere: ``slot = block_id * block_size + offset``; ``-1`` (any negative in
 the kernels) writes nothing. ``validate_slots=True`` (default) checks ``-1 <= slot <
 num_blocks * block_size`` on the host before launching (one device sync); pass ``False`` under
-CUDA-graph capture, where out-of-range slots are then skipped by the kernels instead.
+CUDA-graph capture and in a layer step whose slots the metadata builder proved once per step;
+out-of-range slots are then skipped by the kernels instead. Types, dtypes, shapes, strides and
+devices are checked on every call (host only); strided slot mappings and positions are made
+contiguous before a kernel reads them. Nothing is written before every check passed.
 Only the bytes of the addressed entries change: page padding is never written. Two tokens of
 one call with the same valid slot leave that slot holding one of them (unspecified which).
 """
@@ -48,18 +51,24 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, capacity: int, validate: bool) -> None:
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, capacity: int, validate: bool) -> torch.Tensor:
+    """The slot mapping as the kernels read it (contiguous); with ``validate``, every slot in
+    ``[-1, capacity)`` (one host sync)."""
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, shape=(num_tokens,))
+    slot_mapping = slot_mapping.contiguous()
     if validate and num_tokens:
         lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
         if lo < -1:
             raise ValueError(f"slot_mapping has {lo}; slots must be >= 0 or -1 (skip)")
         if hi >= capacity:
             raise ValueError(f"slot_mapping has slot {hi} >= cache capacity {capacity} (num_blocks * block_size)")
+    return slot_mapping
 
 
 def _check_row_cache(name: str, cache: object, dim: int) -> torch.Tensor:
     cache = check_tensor(name, cache, dtype=_ROW_CACHE_DTYPES, ndim=3)
+    if cache.shape[0] < 1 or cache.shape[1] < 1:
+        raise ValueError(f"{name} must hold at least one block of one entry, got shape {tuple(cache.shape)}")
     if cache.shape[2] != dim or cache.stride(2) != 1:
         raise ValueError(f"{name} must be (num_blocks, block_size, {dim}) with a contiguous last dim, "
                          f"got shape {tuple(cache.shape)} strides {cache.stride()}")
@@ -103,6 +112,8 @@ def insert_kv(
     check_tensor("cache", cache)
     device = same_device(kv=kv, slot_mapping=slot_mapping, cache=cache)
     num_tokens, head_dim = kv.shape
+    if head_dim == 0:
+        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     if kv.stride(1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
     if kv_cache_dtype == "fp8_ds_mla":
@@ -120,7 +131,7 @@ def insert_kv(
         _check_row_cache("cache", cache, head_dim)
     else:
         raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {kv_cache_dtype!r}")
-    _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
+    slot_mapping = _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
@@ -166,6 +177,8 @@ def insert_indexer_k(
     check_tensor("cache", cache)
     device = same_device(k=k, slot_mapping=slot_mapping, cache=cache)
     num_tokens, dim = k.shape
+    if dim == 0:
+        raise ValueError(f"k must have at least one column, got shape {tuple(k.shape)}")
     if k.stride(1) != 1:
         raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
     if kv_cache_dtype == "fp8_ds_mla":
@@ -174,7 +187,7 @@ def insert_indexer_k(
         _check_row_cache("cache", cache, dim)
     else:
         raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {kv_cache_dtype!r}")
-    _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
+    slot_mapping = _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
@@ -226,7 +239,12 @@ def write_compressor_state(
     for name, t in (("kv", kv), ("score", score), ("ape", ape)):
         if t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    _check_slots(slot_mapping, num_tokens, state_cache.shape[0] * state_cache.shape[1], validate_slots)
+    if width == 0:
+        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
+    if state_cache.shape[0] < 1 or state_cache.shape[1] < 1:
+        raise ValueError(f"state_cache must hold at least one block of one row, got shape {tuple(state_cache.shape)}")
+    positions = positions.contiguous()
+    slot_mapping = _check_slots(slot_mapping, num_tokens, state_cache.shape[0] * state_cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
