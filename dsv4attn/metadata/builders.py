@@ -263,7 +263,7 @@ class StepMetadataBuilder:
             self._check_columns(batch, GROUP_FULL_MLA, need, sl_max)
         if c.validate_block_ids and batch.num_tokens:
             # The raw SWA slots are written by the SWA cache writer without a per-layer check.
-            cap = c.num_blocks[GROUP_SWA] * c.swa_block_size
+            cap = cast(Mapping[str, int], c.num_blocks)[GROUP_SWA] * c.swa_block_size
             check_values("batch.slot_mapping", batch.slot_mapping, -1, cap - 1)
         if c.validate_block_ids and batch.num_reqs:
             sl = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
