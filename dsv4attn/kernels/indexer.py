@@ -21,8 +21,8 @@ no tie handling remains. A chunk's keys are written to the scratch row (the dot 
 ``BLOCK_N`` at a time; a ``K_P2``-wide dot would not fit in registers), read back as one
 ``[K_P2]`` tensor, sorted ascending and merged with the descending best list by the bitonic
 half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union),
-then re-sorted descending. Chunks whose best key does not beat the current ``K_P2``-th are
-skipped. Compared with a radix select over a ``[T, n]`` score workspace this needs no
+then re-sorted descending. The first chunk is just sorted; later chunks whose best key does
+not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]`` score workspace this needs no
 workspace sized by the context and one pass over the keys; the price is two bitonic sorts of
 ``K_P2`` int64 per chunk (``~K log^2 K`` compares, small next to the chunk's
 ``K * H * D`` MACs). A single very long row runs on one program; splitting rows across
@@ -113,7 +113,9 @@ def _indexer_topk_kernel(
         tl.debug_barrier()
         cand = tl.load(scratch + tl.arange(0, K_P2))
         tl.debug_barrier()  # every lane has read the chunk before the next one is written
-        if tl.max(cand, axis=0) > tl.min(best, axis=0):
+        if c0 == 0:
+            best = tl.sort(cand, descending=True)
+        elif tl.max(cand, axis=0) > tl.min(best, axis=0):
             cand = tl.sort(cand)  # ascending: best (desc) vs cand (asc) is one bitonic sequence
             best = tl.sort(tl.maximum(best, cand), descending=True)
     j = tl.arange(0, K_P2)

@@ -49,7 +49,7 @@ def select_topk_masked(scores: torch.Tensor, candidate: torch.Tensor, topk: int
     width = min(topk, N)
     if width == 0 or T == 0:
         return idx, val
-    masked = scores.float().masked_fill(~candidate, float("-inf"))
+    masked = (scores.float() + 0.0).masked_fill(~candidate, float("-inf"))  # + 0.0: -0.0 -> +0.0
     # a stable descending sort keeps equal scores (and -0.0 == +0.0) in ascending index order
     top = torch.sort(masked, dim=-1, descending=True, stable=True)
     keep = torch.arange(width, device=scores.device)[None, :] < candidate.sum(dim=1, keepdim=True)
