@@ -22,11 +22,15 @@ no tie handling remains. A chunk's keys are written to the scratch row (the dot 
 ``[K_P2]`` tensor, sorted ascending and merged with the descending best list by the bitonic
 half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union),
 then re-sorted descending. The first chunk is just sorted; later chunks whose best key does
-not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]`` score workspace this needs no
-workspace sized by the context and one pass over the keys; the price is two bitonic sorts of
-``K_P2`` int64 per chunk (``~K log^2 K`` compares, small next to the chunk's
-``K * H * D`` MACs). A single very long row runs on one program; splitting rows across
-programs (per-split top-k lists merged the same way) is the next step if decode at B=1 needs it.
+not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
+score workspace this needs no workspace sized by the context and one pass over the keys; the
+price is two bitonic sorts of ``K_P2`` int64 per chunk (``~K log^2 K`` compares, small next to
+the chunk's ``K * H * D`` MACs).
+
+Few tokens with long rows (small-batch decode) would leave most SMs idle, so a row can be
+split over ``num_splits`` programs (interleaved chunks); each leaves its best list in its
+scratch row and :func:`_indexer_topk_merge_kernel` combines the lists with the same
+half-cleaner. Keys are unique, so the result does not depend on the split count.
 """
 
 from __future__ import annotations
@@ -57,17 +61,34 @@ def _score_keys(s, e, valid):
 
 
 @triton.jit
+def _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2: tl.constexpr):
+    """Descending keys ``best [K_P2]`` -> the first ``topk`` entry indices (-1) and scores (-inf)."""
+    j = tl.arange(0, K_P2)
+    ok = best != INT64_MIN
+    index = tl.where(ok, (4294967295 - (best & 4294967295)).to(tl.int32), -1)
+    o = (best >> 32).to(tl.int32)
+    bits = tl.where(o >= 0, o, o ^ 0x7FFFFFFF)
+    val = tl.where(ok, bits.to(tl.float32, bitcast=True), float("-inf"))
+    tl.store(idx_ptr + t64 * stride_idx_t + j, index, mask=j < topk)
+    tl.store(val_ptr + t64 * stride_val_t + j, val, mask=j < topk)
+
+
+@triton.jit
 def _indexer_topk_kernel(
     q_ptr, w_ptr, cache_ptr, bt_ptr, t2r_ptr, len_ptr, scratch_ptr, idx_ptr, val_ptr,
     stride_q_t, stride_q_h, stride_w_t, stride_cache_block, stride_cache_entry, stride_bt,
     stride_idx_t, stride_val_t,
-    num_heads, block_size, max_blocks, num_blocks, topk,
+    num_heads, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr,
+    K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Grid ``(T,)``. q ``[T, H, D]`` (rows contiguous), w fp32 ``[T, H]``; writes
-    ``idx [T, topk]`` int32 and ``val [T, topk]`` fp32; scratch int64 ``[T, K_P2]``."""
+    """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
+    int64 ``[T, num_splits, K_P2]``. Split s takes chunks ``s, s + num_splits, ...`` of the
+    token's entries. Without SPLIT (num_splits == 1) it writes ``idx [T, topk]`` int32 and
+    ``val [T, topk]`` fp32; with SPLIT it leaves its best list in its scratch row, ascending,
+    for :func:`_indexer_topk_merge_kernel`."""
     t = tl.program_id(0)
+    split = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(t2r_ptr + t).to(tl.int64)
     n = tl.minimum(tl.load(len_ptr + t), max_blocks * block_size)
@@ -82,9 +103,10 @@ def _indexer_topk_kernel(
     else:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + t64 * stride_w_t + hh, mask=hm, other=0.0)
-    scratch = scratch_ptr + t64 * K_P2
+    scratch = scratch_ptr + (t64 * num_splits + split) * K_P2
+    first = split * K_P2
     best = tl.full([K_P2], INT64_MIN, tl.int64)  # sorted descending
-    for c0 in range(0, n, K_P2):
+    for c0 in range(first, n, num_splits * K_P2):
         for s0 in range(0, K_P2, BLOCK_N):
             e = c0 + s0 + tl.arange(0, BLOCK_N)
             valid = e < n
@@ -113,16 +135,29 @@ def _indexer_topk_kernel(
         tl.debug_barrier()
         cand = tl.load(scratch + tl.arange(0, K_P2))
         tl.debug_barrier()  # every lane has read the chunk before the next one is written
-        if c0 == 0:
+        if c0 == first:
             best = tl.sort(cand, descending=True)
         elif tl.max(cand, axis=0) > tl.min(best, axis=0):
             cand = tl.sort(cand)  # ascending: best (desc) vs cand (asc) is one bitonic sequence
             best = tl.sort(tl.maximum(best, cand), descending=True)
+    if SPLIT:
+        tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
+    else:
+        _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)
+
+
+@triton.jit
+def _indexer_topk_merge_kernel(
+    scratch_ptr, idx_ptr, val_ptr, stride_idx_t, stride_val_t, topk, num_splits, K_P2: tl.constexpr,
+):
+    """Grid ``(T,)``: merge the ``num_splits`` ascending best lists of a token (scratch int64
+    ``[T, num_splits, K_P2]``) by the same bitonic half-cleaner, then write its top-k."""
+    t64 = tl.program_id(0).to(tl.int64)
+    base = scratch_ptr + t64 * num_splits * K_P2
     j = tl.arange(0, K_P2)
-    ok = best != INT64_MIN
-    index = tl.where(ok, (4294967295 - (best & 4294967295)).to(tl.int32), -1)
-    o = (best >> 32).to(tl.int32)
-    bits = tl.where(o >= 0, o, o ^ 0x7FFFFFFF)
-    val = tl.where(ok, bits.to(tl.float32, bitcast=True), float("-inf"))
-    tl.store(idx_ptr + t64 * stride_idx_t + j, index, mask=j < topk)
-    tl.store(val_ptr + t64 * stride_val_t + j, val, mask=j < topk)
+    best = tl.load(base + (K_P2 - 1) - j)  # split 0, descending
+    for s in range(1, num_splits):
+        cand = tl.load(base + s * K_P2 + j)  # ascending
+        if tl.max(cand, axis=0) > tl.min(best, axis=0):
+            best = tl.sort(tl.maximum(best, cand), descending=True)
+    _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)

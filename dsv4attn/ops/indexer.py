@@ -13,13 +13,15 @@ import triton
 
 from dsv4attn._checks import check_tensor, same_device
 from dsv4attn.device import resolve_impl
-from dsv4attn.kernels.indexer import _indexer_topk_kernel
+from dsv4attn.kernels.indexer import _indexer_topk_kernel, _indexer_topk_merge_kernel
 from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
 
 _Q_DTYPES = (torch.bfloat16, torch.float32)
 #: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step).
 _BLOCK_N = 64
+#: Most programs one token row is split over (small-batch decode of long contexts).
+_MAX_SPLITS = 16
 
 
 def _p2(n: int, floor: int = 16) -> int:
@@ -128,20 +130,42 @@ def indexer_topk(
     path = resolve_impl(impl, device)
     if path == "reference":
         return indexer_topk_ref(q, weights, k_cache, block_table, token_to_req, lengths, topk)
+    return _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8,
+                                _num_splits(T, device))
+
+
+def _num_splits(num_tokens: int, device: torch.device) -> int:
+    """Programs per token row: enough rows for about two programs per SM (CUDA), capped at
+    ``_MAX_SPLITS``; 1 on the interpreter. Chosen from the token count only (no host sync on
+    lengths): splits beyond a row's chunks return at once and merge as empty lists."""
+    if device.type != "cuda" or num_tokens == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(_MAX_SPLITS, triton.cdiv(2 * sms, num_tokens)))
+
+
+def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits):
+    """Launch the Triton path on validated input with ``num_splits`` programs per token."""
+    T, H, D = q.shape
+    device = q.device
     idx = torch.empty((T, topk), dtype=torch.int32, device=device)
     val = torch.empty((T, topk), dtype=torch.float32, device=device)
     if T == 0:
         return idx, val
     k_p2 = _p2(topk)
-    scratch = torch.empty((T, k_p2), dtype=torch.int64, device=device)
+    scratch = torch.empty((T, num_splits, k_p2), dtype=torch.int64, device=device)
     interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
     dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
-    _indexer_topk_kernel[(T,)](
+    h_p2, d_p2 = _p2(H), _p2(D)
+    _indexer_topk_kernel[(T, num_splits)](
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         idx.stride(0), val.stride(0),
-        H, k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk,
-        HEAD_DIM=D, H_P2=_p2(H), D_P2=_p2(D), BLOCK_N=min(_BLOCK_N, k_p2), K_P2=k_p2,
-        IS_FP8=is_fp8, DOT_BF16=dot_bf16, num_warps=4,
+        H, k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
+        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N, k_p2), K_P2=k_p2,
+        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
     )
+    if num_splits > 1:
+        _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
+                                         K_P2=k_p2, num_warps=4)
     return idx, val
