@@ -305,7 +305,7 @@ def test_production_shape_gpu(kind, T):
     Triton (row splits: 3 programs per row at T=96, 16 at T=3) equals the reference bit for bit,
     with fp32 and bf16 queries."""
     dev = torch.device("cuda")
-    case = make_case(T, 64, 128, 64, kind, seed=7, exact=True, max_len=3000, holes=2)
+    case = make_case(T, 64, 128, 64, kind, seed=7, exact=True, max_len=3000, holes=2, fill_all=True)
     moved = {k: (v.to(dev) if isinstance(v, torch.Tensor) and k != "keys" else v) for k, v in case.items()}
     moved["lengths"][-1] = 3000
     for q_dtype in (torch.float32, torch.bfloat16):
