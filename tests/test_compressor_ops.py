@@ -69,6 +69,9 @@ def oracle(case):
             out.append([0.0] * D)
             continue
         req = int(case["token_to_req"][n])
+        if not 0 <= req < len(bt):
+            out.append([0.0] * D)
+            continue
         k = p // r
         rows = []
         for l in range(coff * r):
@@ -135,6 +138,7 @@ def test_unchecked_values_are_masked_not_read():
     case = make_case(6, 16, 4, 4, True, seed=8, max_pos=30)
     case["block_table"][0, -1] = 10_000  # sentinel id in a column no window uses
     case["block_table"][:, 0] = -1  # freed under live windows: those rows weigh 0
+    case["token_to_req"][1] = 50  # not a table row: a zero row
     want = oracle(case)
     for impl in IMPLS:
         got = run(case, impl, validate_indices=False)

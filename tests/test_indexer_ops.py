@@ -102,6 +102,9 @@ def oracle(case, topk):
     out = []
     for t in range(len(q)):
         req, n = int(case["token_to_req"][t]), int(case["lengths"][t])
+        if not 0 <= req < len(bt):
+            out.append([])
+            continue
         scored = []
         for e in range(n):
             if e // bs >= len(bt[req]):
@@ -221,6 +224,7 @@ def test_unchecked_values_are_masked_not_read():
     case = make_case(8, 2, 16, 4, "fp8", seed=9, exact=True, max_len=20, holes=0, fill_all=True)
     case["block_table"][0, 0] = 10_000  # sentinel id: not a block
     case["lengths"][1] = 10_000  # past the table: clamped to its columns
+    case["token_to_req"][2] = 77  # not a table row: no candidates
     for impl in IMPLS:
         idx, val = run(case, 5, impl, validate_indices=False)
         check_exact(case, 5, idx, val)

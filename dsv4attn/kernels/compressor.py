@@ -20,7 +20,7 @@ import triton.language as tl
 def _compressor_pool_kernel(
     state_ptr, bt_ptr, t2r_ptr, pos_ptr, out_ptr,
     stride_state_block, stride_state_entry, stride_bt, stride_out_n,
-    block_size, max_blocks, num_blocks, ratio, dim,
+    num_reqs, block_size, max_blocks, num_blocks, ratio, dim,
     COFF: tl.constexpr, L_P2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """state fp32 ``(num_blocks, bs, 2*COFF*dim)``; writes ``out [N, dim]`` fp32."""
@@ -29,10 +29,10 @@ def _compressor_pool_kernel(
     dm = d < dim
     out = out_ptr + n.to(tl.int64) * stride_out_n + d
     p = tl.load(pos_ptr + n).to(tl.int64)
-    if p < 0:
+    req = tl.load(t2r_ptr + n).to(tl.int64)
+    if (p < 0) | (req < 0) | (req >= num_reqs):
         tl.store(out, tl.zeros([BLOCK_D], tl.float32), mask=dm)
         return
-    req = tl.load(t2r_ptr + n).to(tl.int64)
     l = tl.arange(0, L_P2)
     rowpos = (p // ratio) * ratio - (COFF - 1) * ratio + l
     valid = (l < COFF * ratio) & (rowpos >= 0)

@@ -78,7 +78,7 @@ def _indexer_topk_kernel(
     q_ptr, w_ptr, cache_ptr, bt_ptr, t2r_ptr, len_ptr, scratch_ptr, idx_ptr, val_ptr,
     stride_q_t, stride_q_h, stride_w_t, stride_cache_block, stride_cache_entry, stride_bt,
     stride_idx_t, stride_val_t,
-    num_heads, block_size, max_blocks, num_blocks, topk, num_splits,
+    num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -91,7 +91,9 @@ def _indexer_topk_kernel(
     split = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(t2r_ptr + t).to(tl.int64)
-    n = tl.minimum(tl.load(len_ptr + t), max_blocks * block_size)
+    req_ok = (req >= 0) & (req < num_reqs)
+    n = tl.where(req_ok, tl.minimum(tl.load(len_ptr + t), max_blocks * block_size), 0)
+    req = tl.where(req_ok, req, 0)
     hh = tl.arange(0, H_P2)
     dd = tl.arange(0, D_P2)
     hm = hh < num_heads

@@ -39,7 +39,8 @@ def compressor_pool(
     ``[R, max_blocks]`` of the state group (entry ``pos`` at ``block_table[req, pos // bs]``; -1 =
     freed). token_to_req: int32 ``[N]``. positions: int32/int64 ``[N]``: row n pools entry
     ``positions[n] // ratio`` (give the position of the token completing it, ``k*r + r - 1``);
-    ``-1`` (any negative) -> a zero row. ratio: >= 1 (4 for CSA, 128 for HCA).
+    ``-1`` (any negative) -> a zero row (so is a row whose request is not a table row, when
+    unchecked). ratio: >= 1 (4 for CSA, 128 for HCA).
 
     Returns fp32 ``[N, D]``: per channel, the softmax over the window's valid rows of the score
     times kv (window rows and column halves: :mod:`dsv4attn.reference.compressor`); 0 where no
@@ -89,7 +90,7 @@ def compressor_pool(
     _compressor_pool_kernel[(N, triton.cdiv(dim, block_d))](
         state_cache, block_table, token_to_req, positions, out,
         state_cache.stride(0), state_cache.stride(1), block_table.stride(0), out.stride(0),
-        bs, cols, nb, ratio, dim,
+        R, bs, cols, nb, ratio, dim,
         COFF=coff, L_P2=triton.next_power_of_2(coff * ratio), BLOCK_D=block_d,
     )
     return out

@@ -161,7 +161,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         idx.stride(0), val.stride(0),
-        H, k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
+        H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N, k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
     )

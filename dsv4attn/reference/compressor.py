@@ -71,13 +71,15 @@ def compressor_pool_ref(
 
     state_cache fp32 ``(num_blocks, bs, 2*coff*D)``, block_table int32 ``[R, max_blocks]``,
     token_to_req int32 ``[N]``, positions int ``[N]`` -> fp32 ``[N, D]``: row n pools entry
-    ``positions[n] // ratio`` of request ``token_to_req[n]``; rows with ``positions[n] < 0`` are 0.
+    ``positions[n] // ratio`` of request ``token_to_req[n]``; rows with ``positions[n] < 0`` (or a
+    request that is not a table row) are 0.
     """
     N = positions.shape[0]
     nb, bs, width = state_cache.shape
     coff = 2 if overlap else 1
     out = torch.zeros((N, width // (2 * coff)), dtype=torch.float32, device=state_cache.device)
-    use = (positions >= 0).nonzero().squeeze(1)
+    req_ok = (token_to_req >= 0) & (token_to_req < block_table.shape[0])
+    use = ((positions >= 0) & req_ok).nonzero().squeeze(1)
     if use.numel() == 0:
         return out
     entry = torch.div(positions[use].long(), ratio, rounding_mode="floor")

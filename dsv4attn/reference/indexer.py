@@ -9,7 +9,8 @@ Score of entry ``e`` for query token ``t`` (``H`` heads, head dim ``D``)::
 key stored at entry ``e`` of the token's request: fp8 pages hold ``D`` e4m3fn bytes and one fp32
 power-of-two scale per entry (``K = fp8 * scale``), "auto" pages hold bf16/fp32 rows.
 
-Entry ``e`` is a candidate of token ``t`` iff ``e < lengths[t]``, its block-table column
+Entry ``e`` is a candidate of token ``t`` iff ``token_to_req[t]`` is a block-table row,
+``e < lengths[t]``, its block-table column
 ``e // block_size`` exists, and the block id there is in ``[0, num_blocks)`` (a -1 hole is not a
 candidate; nothing is read from it). Top-k keeps the ``min(topk, #candidates)`` best candidates,
 best first; equal scores go to the LOWER entry index (``-0.0`` equals ``+0.0``); the remaining
@@ -123,7 +124,9 @@ def indexer_topk_ref(
     idx = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
     val = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=dev)
     nb, bs = k_cache.shape[0], k_cache.shape[1]
-    n = lengths.long().clamp(0, block_table.shape[1] * bs)
+    req_ok = (token_to_req >= 0) & (token_to_req < block_table.shape[0])
+    n = torch.where(req_ok, lengths.long().clamp(0, block_table.shape[1] * bs), 0)
+    token_to_req = torch.where(req_ok, token_to_req, 0)
     n_max = int(n.max()) if T else 0
     if n_max == 0 or topk == 0:
         return idx, val
