@@ -18,8 +18,9 @@ from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
 
 _Q_DTYPES = (torch.bfloat16, torch.float32)
-#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step).
-_BLOCK_N = 64
+#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 64 on the bf16
+#: tensor cores; 32 for fp32 (FMA) dots, which spill at 64 (sm90 compile, H 64 x D 128, 8 warps).
+_BLOCK_N = {True: 64, False: 32}
 #: Most programs one token row is split over (small-batch decode of long contexts).
 _MAX_SPLITS = 16
 
@@ -162,7 +163,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         idx.stride(0), val.stride(0),
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
-        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N, k_p2), K_P2=k_p2,
+        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
     )
     if num_splits > 1:
