@@ -70,10 +70,13 @@ class Indexer(Compressor):
         :meth:`queries`), k_cache (fp8 pages or rows), block_table int32 ``[R, max_blocks]``,
         token_to_req / num_eligible int ``[T]`` -> request-local int32 ``[T, topk]`` (-1 padded).
 
-        ``D_I^-0.5`` is folded into the weights; the caller's metadata already bounds every
-        index, so the op's value checks (a host sync) are skipped.
+        ``D_I^-0.5`` is folded into the weights; q goes back to the model dtype (exact: it was
+        computed there), so a bf16 model scores on the bf16 tensor cores. The caller's metadata
+        already bounds every index, so the op's value checks (a host sync) are skipped.
         """
         w = (weights * self.dim ** -0.5).contiguous()
+        model_dtype = self.q_b_proj.weight.dtype
+        q = q.to(model_dtype) if model_dtype in (torch.bfloat16, torch.float32) else q
         idx, _ = indexer_topk(q.contiguous(), w, k_cache, block_table, token_to_req.to(torch.int32),
                               num_eligible.to(torch.int32), self.topk, validate_indices=False, impl=impl)
         return idx
