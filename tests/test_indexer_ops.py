@@ -270,7 +270,7 @@ def test_bad_input(mutate, err, match):
 
 def test_bad_topk_and_impl():
     c = _good()
-    for bad in (0, -1, 2.0, True):
+    for bad in (0, -1, 2.0, True, 4096):
         with pytest.raises(ValueError, match="topk"):
             run(c, bad, "reference")
     with pytest.raises(ValueError, match="impl"):

@@ -21,6 +21,8 @@ _Q_DTYPES = (torch.bfloat16, torch.float32)
 #: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 64 on the bf16
 #: tensor cores; 32 for fp32 (FMA) dots, which spill at 64 (sm90 compile, H 64 x D 128, 8 warps).
 _BLOCK_N = {True: 64, False: 32}
+#: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
+MAX_TOPK = 2048
 #: Most programs one token row is split over (small-batch decode of long contexts).
 _MAX_SPLITS = 16
 
@@ -106,7 +108,7 @@ def indexer_topk(
     ``(num_blocks, block_size, D)``. block_table: int32 ``[R, max_blocks]`` of the indexer-K
     group. token_to_req, lengths: int32 ``[T]``; token t's candidates are entries
     ``0 .. lengths[t]-1`` of request ``token_to_req[t]`` (a -1 block is a hole: skipped).
-    topk: >= 1.
+    topk: 1 .. ``MAX_TOPK`` (2048).
 
     Returns ``(indices int32 [T, topk], scores fp32 [T, topk])``: request-local entry indices,
     best first, equal scores -> lower index, ``-1`` (score ``-inf``) past the token's
@@ -119,8 +121,8 @@ def indexer_topk(
     check_tensor("weights", weights, dtype=torch.float32, shape=(T, H))
     device = same_device(q=q, weights=weights, k_cache=k_cache if isinstance(k_cache, torch.Tensor) else None)
     is_fp8 = check_indexer_cache("k_cache", k_cache, D)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk must be an int in [1, {MAX_TOPK}], got {topk!r}")
     if H < 1 or D < 1:
         raise ValueError(f"q must have at least one head and one dim, got shape {tuple(q.shape)}")
     if q.stride(2) != 1 or weights.stride(1) != 1:
