@@ -23,15 +23,15 @@ from dsv4attn.reference.cache_ops import alloc_indexer_k_cache, indexer_pages_of
 H, D, TOPK, BS = 64, 128, 512, 64
 
 
-def _cache(num_blocks: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
-    """fp8 pages of random finite keys (never the NaN code 0x7F/0xFF) and unit scales."""
+def _cache(num_blocks: int, device: torch.device) -> torch.Tensor:
+    """fp8 pages of random finite keys (never the NaN code 0x7F/0xFF) and equal scales, made on
+    the device (the largest case holds 566 MB of pages)."""
     cache = alloc_indexer_k_cache(num_blocks, BS, D, device=device)
     pages = indexer_pages_of(cache)
-    vals = torch.randint(0, 0x7F, (num_blocks, BS * D), generator=g, dtype=torch.int32)
-    vals |= torch.randint(0, 2, vals.shape, generator=g, dtype=torch.int32) << 7
-    pages[:, :BS * D] = vals.to(torch.uint8).to(device)
-    scales = pages[:, BS * D:BS * D + BS * 4].view(torch.float32)
-    scales.fill_(1.0 / 64)
+    vals = torch.randint(0, 0x7F, (num_blocks, BS * D), dtype=torch.uint8, device=device)
+    vals |= torch.randint(0, 2, vals.shape, dtype=torch.uint8, device=device) << 7
+    pages[:, :BS * D] = vals
+    pages[:, BS * D:BS * D + BS * 4].view(torch.float32).fill_(1.0 / 64)
     return cache
 
 
@@ -42,15 +42,15 @@ def main() -> None:
     cases = [(64, 4096), (256, 4096), (64, 65536), (256, 65536)] if cuda else [(2, 512), (4, 1024)]
     impls = [p for p in ("triton", "reference") if p in supported_paths(device)] if cuda else ["reference"]
     ceil = Ceilings() if (args.no_ceilings or not cuda) else Ceilings.measure()
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     rows: list[Row] = []
     for B, ctx in cases:
         n = ctx // 4
         per_req = n // BS
-        cache = _cache(B * per_req, device, g)
-        table = torch.randperm(B * per_req, generator=g).to(torch.int32).view(B, per_req).to(device)
-        q = torch.randn(B, H, D, generator=g).to(device=device, dtype=torch.bfloat16)
-        w = (torch.randn(B, H, generator=g) * (H * D) ** -0.5).to(device)
+        cache = _cache(B * per_req, device)
+        table = torch.randperm(B * per_req, device=device).to(torch.int32).view(B, per_req)
+        q = torch.randn(B, H, D, device=device).to(torch.bfloat16)
+        w = torch.randn(B, H, device=device) * (H * D) ** -0.5
         t2r = torch.arange(B, dtype=torch.int32, device=device)
         lengths = torch.full((B,), n, dtype=torch.int32, device=device)
         nbytes = B * (n * (D + 4) + H * D * 2 + H * 4 + TOPK * 8 + 8)
