@@ -1,9 +1,10 @@
 """Triton lightning indexer: score a token's own indexer keys and keep its top-k, in one pass.
 
-One program per query token. It streams the token's candidate entries ``0 .. lengths[t]-1``
-(read through its request's block-table row) in chunks of ``K_P2`` (= top-k rounded up to a
-power of two, >= 16) and keeps a running best-``K_P2`` list in registers, so the work is
-``O(lengths[t])`` per token and the only temporary is an int64 ``[T, K_P2]`` scratch row: no
+One program per query token (or per token and split, below). It streams the token's candidate
+entries ``0 .. lengths[t]-1`` (read through its request's block-table row) in chunks of ``K_P2``
+(= top-k rounded up to a power of two, >= 16) and keeps a running best-``K_P2`` list in
+registers, so the work is ``O(lengths[t])`` per token and the only temporary is an int64
+``[T, num_splits, K_P2]`` scratch: no
 ``[T, max_entries]`` score matrix, no host-known maximum length, nothing sized by
 ``max_model_len`` (graph-capturable as is).
 
