@@ -6,7 +6,7 @@
   sharded by context, partial attention merged by log-sum-exp, the sink applied once.
 - :mod:`~dsv4attn.distributed.interleave`: which rank holds which cache entry; the lse merge.
 - :mod:`~dsv4attn.distributed.launch`: process groups from torchrun (``init_parallel``,
-  ``make_runner``, ``--tp``/``--dcp`` flags) and ``python -m dsv4attn.distributed.launch``.
+  ``make_runner``, ``--tp``/``--dcp`` flags); ``torchrun ... -m dsv4attn.distributed --check``.
 """
 
 from dsv4attn.distributed.dcp import DCPAttentionRunner

@@ -9,8 +9,9 @@ NCCL on CUDA (device ``cuda:LOCAL_RANK``), gloo on CPU. :func:`make_runner` turn
 this rank's runner. Command line (every rank runs the parity check of the three layer kinds
 against one process and rank 0 prints it)::
 
-    torchrun --nproc-per-node 2 -m dsv4attn.distributed.launch --tp 2 --check
-    torchrun --nproc-per-node 2 -m dsv4attn.distributed.launch --dcp 2 --check
+    torchrun --nproc-per-node 2 -m dsv4attn.distributed --tp 2 --check
+    torchrun --nproc-per-node 2 -m dsv4attn.distributed --dcp 2 --check
+    torchrun --nproc-per-node 4 -m dsv4attn.distributed --tp 2 --dcp 2 --check
 
 A CLI that serves a model adds the flags with :func:`add_parallel_args` and calls
 :func:`init_parallel` with :func:`parallel_config_from_args`.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +152,7 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsv4attn.distributed.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m dsv4attn.distributed", description=__doc__.split("\n")[0])
     add_parallel_args(parser)
     parser.add_argument("--check", action="store_true", help="run the parity check (the default action)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -169,7 +169,3 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

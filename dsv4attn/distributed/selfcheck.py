@@ -1,7 +1,7 @@
 """Parity check of the parallel runners against one process, run on every rank.
 
 Used by the tests (spawned gloo / NCCL processes) and by
-``torchrun ... -m dsv4attn.distributed.launch --check``. A small DeepSeek-V4 layer of each kind
+``torchrun ... -m dsv4attn.distributed --check``. A small DeepSeek-V4 layer of each kind
 (sliding, CSA r=4, HCA r=128; 4 heads of 64 + 16 dims, 2 output groups, window 8, top-k 4) with
 deterministic random weights serves several requests through a deterministic plan of mixed
 prefill chunks and decodes (chunk ends on and next to every compression boundary, requests freed
