@@ -41,10 +41,10 @@ TIMEOUT_S = 240
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _spawn(tmp_path_factory, backend: str, dtype: str = "float32") -> dict:
-    d = tmp_path_factory.mktemp(f"dist_{backend}_{dtype}")
+def _spawn(tmp_path_factory, backend: str, dtypes: tuple[str, ...]) -> dict:
+    d = tmp_path_factory.mktemp(f"dist_{backend}")
     out = d / "results.pt"
-    ctx = mp.spawn(spawn_worker, args=(2, f"file://{d / 'store'}", backend, str(out), dtype), nprocs=2, join=False)
+    ctx = mp.spawn(spawn_worker, args=(2, f"file://{d / 'store'}", backend, str(out), dtypes), nprocs=2, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):  # raises if a process failed
         if time.monotonic() > deadline:
@@ -56,26 +56,17 @@ def _spawn(tmp_path_factory, backend: str, dtype: str = "float32") -> dict:
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    return _spawn(tmp_path_factory, "gloo")
-
-
-def _two_gpus() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA devices")
-    for k, v in NO_MULTICAST.items():
-        os.environ.setdefault(k, v)
+    return _spawn(tmp_path_factory, "gloo", ("float32",))
 
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
-    _two_gpus()
-    return _spawn(tmp_path_factory, "nccl")
-
-
-@pytest.fixture(scope="module")
-def nccl_bf16_results(tmp_path_factory):
-    _two_gpus()
-    return _spawn(tmp_path_factory, "nccl", "bfloat16")
+    """fp32 and bf16 in one pair of processes (one CUDA start-up and Triton compile)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    for k, v in NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
+    return _spawn(tmp_path_factory, "nccl", ("float32", "bfloat16"))
 
 
 def _check(results: dict, case: str) -> None:
@@ -106,15 +97,15 @@ def test_nccl_two_gpus_equal_one(nccl_results, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ALL)
-def test_nccl_two_gpus_bf16_within_twice_single_error(nccl_bf16_results, case):
-    _check(nccl_bf16_results, case)
+def test_nccl_two_gpus_bf16_within_twice_single_error(nccl_results, case):
+    _check(nccl_results, f"{case}-bfloat16")
 
 
 def test_torchrun_tp2_x_dcp2_check():
     """The launcher end to end: torchrun, env:// rendezvous, TP and DCP groups of a 2 x 2 world."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "dsv4attn.distributed", "--tp", "2", "--dcp", "2", "--check"]
+           "-m", "dsv4attn.distributed", "--tp", "2", "--dcp", "2", "--check", "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

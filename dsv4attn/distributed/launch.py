@@ -156,10 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     add_parallel_args(parser)
     parser.add_argument("--check", action="store_true", help="run the parity check (the default action)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda:LOCAL_RANK when CUDA is available (NCCL), else cpu (gloo)")
     args = parser.parse_args(argv)
     from dsv4attn.distributed.selfcheck import format_results, run_checks
 
-    ctx = init_parallel(parallel_config_from_args(args))
+    device = None
+    if args.device == "cpu":
+        device = "cpu"
+    elif args.device == "cuda":
+        device = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+    ctx = init_parallel(parallel_config_from_args(args), device=device)
     torch.manual_seed(0)
     results = run_checks(ctx, dtype=getattr(torch, args.dtype))
     if ctx.rank == 0:

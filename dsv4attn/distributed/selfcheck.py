@@ -225,25 +225,28 @@ def format_results(results: dict[str, dict[str, Any]], ctx: ParallelContext) -> 
 
 
 def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out_path: str,
-                 dtype_name: str = "float32") -> None:
-    """Entry of the test processes (``torch.multiprocessing.spawn``): TP 2 and DCP 2 (interleave 1
-    and 3) over one 2-process group, plus TP over uneven output groups; rank 0 saves the results."""
+                 dtype_names: tuple[str, ...] = ("float32",)) -> None:
+    """Entry of the test processes (``torch.multiprocessing.spawn``): TP 2 (also over uneven
+    output groups: 6 heads in 3 groups) and DCP 2 (interleave 1 and 3) over one 2-process group,
+    for each dtype; rank 0 saves ``{case: result}`` (bf16 case names end in ``-bfloat16``)."""
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     from dsv4attn.distributed.launch import ParallelConfig, init_parallel
 
-    ctx = init_parallel(ParallelConfig(tp=world_size), rank=rank, world_size=world_size, local_rank=rank,
-                        init_method=init_method, backend=backend, device=device)
+    tp = init_parallel(ParallelConfig(tp=world_size), rank=rank, world_size=world_size, local_rank=rank,
+                       init_method=init_method, backend=backend, device=device)
     world = dist.group.WORLD
-    dtype = getattr(torch, dtype_name)
-    tp = ctx
     dcp = ParallelContext(ParallelConfig(dcp=world_size), rank, world_size, device, 0, rank, None, world)
     dcp3 = ParallelContext(ParallelConfig(dcp=world_size, dcp_interleave=3), rank, world_size, device, 0, rank,
                            None, world)
-    results = run_checks(tp, dtype, extra={"sliding-6heads-3groups": dict(kind="sliding", dtype=dtype, num_heads=6,
-                                                                          o_groups=3)} if world_size == 2 else None)
-    results |= run_checks(dcp, dtype)
-    results |= run_checks(dcp3, dtype, kinds=("csa", "hca"), prefix="dcp-interleave3")
+    results = {}
+    for name in dtype_names:
+        dtype = getattr(torch, name)
+        uneven = {"sliding-6heads-3groups": dict(kind="sliding", dtype=dtype, num_heads=6, o_groups=3)}
+        res = run_checks(tp, dtype, extra=uneven if world_size == 2 else None)
+        res |= run_checks(dcp, dtype)
+        res |= run_checks(dcp3, dtype, kinds=("csa", "hca"), prefix="dcp-interleave3")
+        results |= {k if name == "float32" else f"{k}-{name}": v for k, v in res.items()}
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
