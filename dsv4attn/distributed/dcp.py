@@ -22,6 +22,9 @@ and one ``[T, hidden]`` all-reduce per layer.
 
 Memory per rank for a long request falls by the DCP size: a rank holds ``cdiv(n / w, bs)`` blocks
 of each compressed cache where one process holds ``cdiv(n, bs)``.
+
+The step itself is :mod:`dsv4attn.distributed.dcp_step` (metadata built once per step, then one
+call per layer); :class:`DCPAttentionRunner` adds the per-rank block tables and caches of one layer.
 """
 
 from __future__ import annotations
@@ -33,29 +36,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv4attn.distributed.interleave import (
-    global_to_local,
-    local_to_global,
-    max_local,
-    merge_scale,
-    num_local,
-    owner,
-)
+from dsv4attn.distributed.dcp_step import build_dcp_metadata, dcp_layer_step
+from dsv4attn.distributed.interleave import max_local, num_local
 from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError
 from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups, layer_cache_specs
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.indexer import select_topk
-from dsv4attn.layers.paged import LayerCaches, gather_indexer_keys, run_compressor, state_slots
+from dsv4attn.layers.paged import LayerCaches
 from dsv4attn.layers.runner import KV_CACHE_DTYPES, PAGED_RATIOS
-from dsv4attn.ops import metadata as meta_ops
-from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv
-from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import sparse_mla_attention
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
-
-#: Bound on the indexer's per-chunk temporaries (as in ``layer_step``): 64 MiB of fp32.
-_INDEXER_CHUNK_ELEMENTS = 1 << 24
 
 
 class DCPAttentionRunner:
@@ -237,120 +226,16 @@ class DCPAttentionRunner:
         return {rid: result[rid] for rid in chunks}
 
     def _run(self, order: list, qlens: list[int], seq_lens: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        layer, c, dev, impl = self.layer, self.caches, self.device, self.impl
-        rank, world, il = self.rank, self.world_size, self.interleave
-        nl = lambda n: num_local(n, rank, world, il)  # noqa: E731
-        cp = dict(cp_world_size=world, cp_rank=rank, cp_kv_cache_interleave_size=il)
-        pos = torch.cat([torch.arange(s - q, s) for q, s in zip(qlens, seq_lens)]).to(dev)
-        t2r = torch.repeat_interleave(torch.arange(len(order), dtype=torch.int32),
-                                      torch.tensor(qlens)).to(dev)
-        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
-        sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        T = hidden.shape[0]
-        cos, sin = layer.rotary(pos)
-        q, qr = layer.project_q(hidden, cos, sin)
-        kv = layer.project_kv(hidden, cos, sin)
-        kcd = c.kv_cache_dtype
-        lay = c.layout if kcd == "fp8_ds_mla" else None
-        swa_bt = self.managers["swa"].block_table(order, "swa", device=dev)
-        swa_sm = meta_ops.get_compressed_slot_mapping(T, qsl, sl, swa_bt, c.swa.shape[1], 1, impl=impl, **cp)
-        insert_kv(kv, swa_sm, c.swa, kcd, layout=c.layout, validate_slots=False, impl=impl)
-        lo = nl((pos - layer.config.window_size + 1).clamp(min=0))
-        sets = [CandidateSet(c.swa, (nl(pos + 1) - lo).int(), block_table=swa_bt, token_to_req=t2r,
-                             starts=lo.int(), layout=lay)]
-        if layer.compressor is not None:
-            r = layer.ratio
-            mla_bt = self.managers["full_mla"].block_table(order, "full_mla", device=dev)
-            state_bt = self.managers[self.state_group].block_table(order, self.state_group, device=dev)
-            csm = meta_ops.get_compressed_slot_mapping(T, qsl, sl, mla_bt, c.compressed.shape[1], r, impl=impl, **cp)
-            entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, c.state, state_bt, csm,
-                                            layer.rotary, impl)
-            insert_kv(entries.contiguous(), slots, c.compressed, kcd, layout=c.layout, validate_slots=False, impl=impl)
-            if layer.kind == "csa":
-                ient, islots = run_compressor(layer.indexer, hidden, pos, t2r, c.indexer_state, state_bt, csm,
-                                              layer.rotary, impl)
-                insert_indexer_k(ient.contiguous(), islots, c.indexer_k, kcd, validate_slots=False, impl=impl)
-                top = dcp_indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, c, mla_bt, max(seq_lens) // r,
-                                       self.group, rank, world, il)
-                mine = (top >= 0) & (owner(top.clamp(min=0), world, il) == rank)
-                local = global_to_local(top.clamp(min=0), world, il)
-                slot = _entry_slots(local, t2r.long()[:, None].expand_as(local), mla_bt, c.compressed.shape[1], mine)
-                idx = slot.to(torch.int32).contiguous()
-                lens = torch.full((T,), idx.shape[1], dtype=torch.int32, device=dev)
-                sets.append(CandidateSet(c.compressed, lens, indices=idx, layout=lay))
-            else:
-                sets.append(CandidateSet(c.compressed, nl(torch.div(pos + 1, r, rounding_mode="floor")).int(),
-                                         block_table=mla_bt, token_to_req=t2r,
-                                         starts=torch.zeros(T, dtype=torch.int32, device=dev), layout=lay))
-        attn_impl = impl if q.dtype == torch.bfloat16 else "reference"  # as layer_step: fp32 asks for fp32
-        attn, lse = sparse_mla_attention(q.contiguous(), sets, layer.config.softmax_scale, None, impl=attn_impl)
-        scale = merge_scale(lse, layer.sinks, self.group)
-        partial = (attn.float() * scale[..., None]).to(attn.dtype)
-        out = layer.project_out(partial, cos, sin).contiguous()
-        dist.all_reduce(out, group=self.group)
-        return out
-
-
-def dcp_indexer_topk(
-    layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
-    max_eligible: int, group: Any, rank: int, world_size: int, interleave: int,
-) -> torch.Tensor:
-    """Global top-k entry ids int64 ``[T, K]`` (``K = min(topk, max_eligible)``, -1 padded),
-    identical on every rank and equal to one process's ``select_topk`` over all entries.
-
-    Each rank scores the indexer keys it owns (local entries ``< num_local((p+1)//r)``), keeps its
-    own top-k, and the ranks all-gather ``(score, global entry)`` pairs; the global top-k of a
-    total order (score descending, entry ascending) lies within the union of the per-rank top-k.
-    """
-    idx = layer.indexer
-    T, dev = positions.shape[0], positions.device
-    K = min(idx.topk, max_eligible)
-    if K == 0:
-        return torch.full((T, 0), -1, dtype=torch.int64, device=dev)
-    eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
-    elig_local = num_local(eligible, rank, world_size, interleave)
-    n_local = num_local(max_eligible, rank, world_size, interleave)
-    vals = torch.full((T, K), float("-inf"), dtype=torch.float32, device=dev)
-    gids = torch.full((T, K), -1, dtype=torch.int64, device=dev)
-    if n_local > 0:
-        q, w = idx.queries(qr, hidden, cos, sin)
-        bs, fp8 = caches.indexer_k.shape[1], caches.kv_cache_dtype == "fp8_ds_mla"
-        e = torch.arange(n_local, device=dev)
-        per_chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (n_local * max(idx.dim, idx.num_heads)))
-        for t0 in range(0, T, per_chunk):
-            rows = slice(t0, min(T, t0 + per_chunk))
-            req = token_to_req[rows].long()[:, None].expand(-1, n_local)
-            slot = _entry_slots(e[None, :].expand_as(req), req, mla_table, bs, e[None, :] < elig_local[rows, None])
-            ok = slot >= 0
-            keys = gather_indexer_keys(caches.indexer_k, torch.where(ok, slot, torch.zeros_like(slot)), fp8)
-            keys = torch.where(ok[..., None], keys, torch.zeros((), device=dev))
-            scores = idx.scores(q[rows], w[rows], keys)  # [n, n_local]
-            sel = select_topk(scores, elig_local[rows], idx.topk).long()  # [n, <= K]
-            has, k_loc = sel >= 0, sel.shape[1]
-            vals[rows, :k_loc] = torch.where(has, scores.gather(1, sel.clamp(min=0)), float("-inf"))
-            gids[rows, :k_loc] = torch.where(has, local_to_global(sel.clamp(min=0), rank, world_size, interleave), -1)
-    all_vals = [torch.empty_like(vals) for _ in range(world_size)]
-    all_gids = [torch.empty_like(gids) for _ in range(world_size)]
-    dist.all_gather(all_vals, vals.contiguous(), group=group)
-    dist.all_gather(all_gids, gids.contiguous(), group=group)
-    vals, gids = torch.cat(all_vals, dim=1), torch.cat(all_gids, dim=1)  # [T, world * K]
-    by_id = torch.sort(torch.where(gids >= 0, gids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
-    vals, gids = vals.gather(1, by_id), gids.gather(1, by_id)
-    best = torch.sort(vals, dim=1, descending=True, stable=True).indices[:, :K]
-    top = gids.gather(1, best)
-    keep = torch.arange(K, device=dev)[None, :] < eligible[:, None]
-    return torch.where(keep, top, torch.full_like(top, -1))
-
-
-def _entry_slots(entries: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int,
-                 valid: torch.Tensor) -> torch.Tensor:
-    """int64 slots of rank-local ``entries [...]`` of requests ``req [...]`` through ``table``; -1
-    where not ``valid``, past the table's columns (an empty table included) or at a -1 block."""
-    if table.shape[0] == 0 or table.shape[1] == 0:
-        return torch.full(entries.shape, -1, dtype=torch.int64, device=entries.device)
-    slot, ok = state_slots(entries, req, table, block_size)
-    return torch.where(ok & valid, slot, torch.full_like(slot, -1))
+        dev, r = self.device, self.layer.ratio
+        compressed = {}
+        if r > 1:
+            compressed[r] = (self.managers["full_mla"].block_table(order, "full_mla", device=dev),
+                             self.caches.compressed.shape[1],
+                             self.managers[self.state_group].block_table(order, self.state_group, device=dev))
+        meta = build_dcp_metadata(
+            qlens, seq_lens, self.managers["swa"].block_table(order, "swa", device=dev), self.caches.swa.shape[1],
+            self.layer.config.window_size, compressed, self.rank, self.world_size, self.interleave, dev, self.impl)
+        return dcp_layer_step(self.layer, hidden, meta, self.caches, self.group, self.impl)
 
 
 def _alloc_caches(layer: DeepseekV4Attention, specs: dict, kv_cache_dtype: str, num_blocks: int,
