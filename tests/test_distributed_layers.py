@@ -7,7 +7,8 @@ requests, once in a single-process ``AttentionRunner`` and once in this rank's T
 The oracle is the single-process runner (itself tested against transformers in
 test_layer_runner.py). fp32 tolerance 1e-5 of the output's max (observed ~5e-7: the parallel
 paths only reorder fp32 sums); bf16 (GPU only) follows the 2x rule against the fp32 single
-process. The memory cases run one 2051-token request: each rank must hold at most half the
+process. The "reserved" cases start a request at position 700 over zero pages (the benchmarks'
+never-run context) in both runs. The memory cases run one 2048-token request: each rank must hold at most half the
 compressed-cache bytes of one process plus one partial block per cache.
 
 A last test starts the command-line check under torchrun with 4 gloo processes, TP 2 x DCP 2
@@ -31,7 +32,8 @@ import torch.multiprocessing as mp
 from dsv4attn.distributed.selfcheck import spawn_worker
 
 TP_CASES = ["tp2-dcp1-sliding", "tp2-dcp1-csa", "tp2-dcp1-hca", "tp2-dcp1-sliding-6heads-3groups"]
-DCP_CASES = ["tp1-dcp2-sliding", "tp1-dcp2-csa", "tp1-dcp2-hca", "dcp-interleave3-csa", "dcp-interleave3-hca"]
+DCP_CASES = ["tp1-dcp2-sliding", "tp1-dcp2-csa", "tp1-dcp2-hca", "dcp-interleave3-csa", "dcp-interleave3-hca",
+             "tp1-dcp2-csa-reserved", "tp1-dcp2-hca-reserved"]
 MEMORY_CASES = ["tp1-dcp2-csa-memory", "tp1-dcp2-hca-memory", "dcp-interleave3-csa-memory",
                 "dcp-interleave3-hca-memory"]
 ALL = TP_CASES + DCP_CASES + MEMORY_CASES

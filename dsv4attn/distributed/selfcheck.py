@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4attn.config import AttentionConfig
-from dsv4attn.distributed.dcp import DCPAttentionRunner
+from dsv4attn.distributed.dcp import RESERVE_CHUNK, DCPAttentionRunner
 from dsv4attn.distributed.launch import ParallelContext, make_runner
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.runner import AttentionRunner
@@ -99,9 +99,12 @@ def make_plan(lengths: dict[str, int], ratio: int, seed: int, max_active: int = 
     return steps
 
 
-def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, int]], free: bool = True
-             ) -> dict[str, torch.Tensor]:
-    """Feed ``seqs`` through ``runner`` step by step; a finished request is freed (``free``)."""
+def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, int]], free: bool = True,
+             reserve: int = 0) -> dict[str, torch.Tensor]:
+    """Feed ``seqs`` through ``runner`` step by step; a finished request is freed (``free``).
+    ``reserve``: the first request first skips that many never-run tokens."""
+    if reserve:
+        reserve_context(runner, next(iter(seqs)), reserve)
     pos = {k: 0 for k in seqs}
     outs: dict[str, list[torch.Tensor]] = {k: [] for k in seqs}
     for step in steps:
@@ -113,6 +116,20 @@ def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, i
             if free and pos[k] == seqs[k].shape[0]:
                 runner.free(k)
     return {k: torch.cat(v).float() for k, v in outs.items()}
+
+
+def reserve_context(runner: Any, request_id: str, num_tokens: int) -> None:
+    """Start ``request_id`` at position ``num_tokens`` without running its first tokens (blocks
+    allocated, pages as they are): ``DCPAttentionRunner.reserve``, or the same through the block
+    manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small)."""
+    if isinstance(runner, DCPAttentionRunner):
+        runner.reserve(request_id, num_tokens)
+        return
+    m = runner.manager
+    m.add_request(request_id, 0)
+    for end in [*range(RESERVE_CHUNK, num_tokens, RESERVE_CHUNK), num_tokens]:
+        m.grow(request_id, end)
+        m.advance(request_id, end)
 
 
 def _rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -138,8 +155,10 @@ def held_bytes(runner: Any, request_id: str) -> dict[str, int]:
 
 def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.float32, impl: str | None = None,
                 lengths: list[int] | None = None, seed: int = 0, num_heads: int = 4, o_groups: int = 2,
-                memory: bool = False) -> dict[str, Any]:
-    """One kind through one plan: single process vs this rank's parallel runner (see module doc)."""
+                memory: bool = False, reserve: int = 0) -> dict[str, Any]:
+    """One kind through one plan: single process vs this rank's parallel runner (see module doc).
+    ``reserve``: the first request starts at that position over zero-filled pages (never-run
+    context, as the benchmarks use; the same zeros in both runs)."""
     dev = ctx.device
     impl = impl or ("auto" if dev.type == "cuda" else "reference")
     cfg = small_config(num_heads, o_groups)
@@ -156,19 +175,19 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
     kw = dict(RUNNER_KW, impl=impl, device=dev)
     layer32 = random_layer(cfg, layer_idx, seed, torch.float32, dev)
     single_runner = AttentionRunner(layer32, **kw)
-    want = run_plan(single_runner, seqs32, steps, free=not memory)
+    want = run_plan(single_runner, seqs32, steps, free=not memory, reserve=reserve)
     out: dict[str, Any] = {"kind": kind, "dtype": str(dtype).removeprefix("torch.")}
     if dtype == torch.float32:
         dist_runner = make_runner(layer32, ctx, **kw)
-        got = run_plan(dist_runner, seqs32, steps, free=not memory)
+        got = run_plan(dist_runner, seqs32, steps, free=not memory, reserve=reserve)
         out["err"] = _rel_err(got, want)
         out["tol"] = FP32_TOL
     else:
         layer_lp = random_layer(cfg, layer_idx, seed, dtype, dev)
         seqs_lp = {k: v.to(dtype) for k, v in seqs32.items()}
-        single = run_plan(AttentionRunner(layer_lp, **kw), seqs_lp, steps)
+        single = run_plan(AttentionRunner(layer_lp, **kw), seqs_lp, steps, reserve=reserve)
         dist_runner = make_runner(layer_lp, ctx, **kw)
-        got = run_plan(dist_runner, seqs_lp, steps, free=not memory)
+        got = run_plan(dist_runner, seqs_lp, steps, free=not memory, reserve=reserve)
         out["err"] = _rel_err(got, want)
         out["single_err"] = _rel_err(single, want)
         out["tol"] = 2 * out["single_err"] + 1e-6
@@ -244,7 +263,8 @@ def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out
         dtype = getattr(torch, name)
         uneven = {"sliding-6heads-3groups": dict(kind="sliding", dtype=dtype, num_heads=6, o_groups=3)}
         res = run_checks(tp, dtype, extra=uneven if world_size == 2 else None)
-        res |= run_checks(dcp, dtype)
+        res |= run_checks(dcp, dtype, extra={f"{k}-reserved": dict(kind=k, dtype=dtype, reserve=700, lengths=[20, 9])
+                                             for k in ("csa", "hca")})
         res |= run_checks(dcp3, dtype, kinds=("csa", "hca"), prefix="dcp-interleave3")
         results |= {k if name == "float32" else f"{k}-{name}": v for k, v in res.items()}
     if rank == 0:
