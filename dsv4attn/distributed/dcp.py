@@ -46,7 +46,7 @@ from dsv4attn.layers.paged import LayerCaches
 from dsv4attn.layers.runner import KV_CACHE_DTYPES, PAGED_RATIOS
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 
-#: Tokens per grow/advance of :meth:`DCPAttentionRunner.reserve`.
+#: Default tokens per grow/advance of :meth:`DCPAttentionRunner.reserve`.
 RESERVE_CHUNK = 256
 
 
@@ -146,20 +146,25 @@ class DCPAttentionRunner:
             m.free(request_id)
         del self._computed[request_id]
 
-    def reserve(self, request_id: Hashable, num_tokens: int) -> None:
+    def reserve(self, request_id: Hashable, num_tokens: int, chunk: int = RESERVE_CHUNK) -> None:
         """Register a new request whose first ``num_tokens`` tokens count as computed without
         running them: their blocks are allocated on this rank and hold whatever the pages hold
         (benchmarks of long contexts). Call on every rank. Sliding groups are advanced in
-        chunks of :data:`RESERVE_CHUNK` tokens so they never hold more than a chunk of blocks;
-        on :class:`PoolExhaustedError` nothing is kept."""
+        ``chunk``-token steps, so they hold at most a chunk of blocks at a time (each step costs
+        host time linear in the request's table length); on :class:`PoolExhaustedError` nothing
+        is kept."""
         if request_id in self._computed:
             raise ValueError(f"request {request_id!r} already exists")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens < self.max_model_len:
-            raise ValueError(f"num_tokens must be an int in [1, max_model_len={self.max_model_len}), got {num_tokens!r}")
+        n_ok = isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
+        if not n_ok or not 1 <= num_tokens < self.max_model_len:
+            raise ValueError(f"num_tokens must be an int in [1, max_model_len={self.max_model_len}), "
+                             f"got {num_tokens!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         for m in self.managers.values():
             m.add_request(request_id, 0)
         try:
-            for end in [*range(RESERVE_CHUNK, num_tokens, RESERVE_CHUNK), num_tokens]:
+            for end in [*range(chunk, num_tokens, chunk), num_tokens]:
                 for name, k in self._targets(end).items():
                     self.managers[name].grow(request_id, k)
                     self.managers[name].advance(request_id, k)

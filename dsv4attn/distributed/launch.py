@@ -152,10 +152,12 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m dsv4attn.distributed", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m dsv4attn.distributed",
+                                     description=__doc__.split("\n")[0])
     add_parallel_args(parser)
     parser.add_argument("--check", action="store_true", help="run the parity check (the default action)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--kinds", default="sliding,csa,hca", help="layer kinds to check (comma-separated)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda:LOCAL_RANK when CUDA is available (NCCL), else cpu (gloo)")
     args = parser.parse_args(argv)
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
     ctx = init_parallel(parallel_config_from_args(args), device=device)
     torch.manual_seed(0)
-    results = run_checks(ctx, dtype=getattr(torch, args.dtype))
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    results = run_checks(ctx, dtype=getattr(torch, args.dtype), kinds=kinds)
     if ctx.rank == 0:
         print(format_results(results, ctx))
     ok = all(r["ok"] for r in results.values())

@@ -118,16 +118,16 @@ def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, i
     return {k: torch.cat(v).float() for k, v in outs.items()}
 
 
-def reserve_context(runner: Any, request_id: str, num_tokens: int) -> None:
+def reserve_context(runner: Any, request_id: str, num_tokens: int, chunk: int = RESERVE_CHUNK) -> None:
     """Start ``request_id`` at position ``num_tokens`` without running its first tokens (blocks
     allocated, pages as they are): ``DCPAttentionRunner.reserve``, or the same through the block
     manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small)."""
     if isinstance(runner, DCPAttentionRunner):
-        runner.reserve(request_id, num_tokens)
+        runner.reserve(request_id, num_tokens, chunk)
         return
     m = runner.manager
     m.add_request(request_id, 0)
-    for end in [*range(RESERVE_CHUNK, num_tokens, RESERVE_CHUNK), num_tokens]:
+    for end in [*range(chunk, num_tokens, chunk), num_tokens]:
         m.grow(request_id, end)
         m.advance(request_id, end)
 
@@ -212,6 +212,9 @@ def run_checks(ctx: ParallelContext, dtype: torch.dtype = torch.float32, kinds: 
     """Parity of every kind (plus ``extra`` named ``parity_case`` keyword sets, and the memory
     check when DCP > 1); verdicts gathered over all ranks (``ok`` only if every rank's is)."""
     prefix = prefix or f"tp{ctx.config.tp}-dcp{ctx.config.dcp}"
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {tuple(KINDS)}, got {kinds}")
     cases = {f"{prefix}-{k}": dict(kind=k, dtype=dtype) for k in kinds}
     if ctx.config.dcp > 1:
         cases |= {f"{prefix}-{k}-memory": dict(kind=k, dtype=dtype, memory=True) for k in LONG if k in kinds}
