@@ -134,9 +134,11 @@ class DCPAttentionRunner:
             raise KeyError(f"unknown request {request_id!r}")
         return self._computed[request_id]
 
-    def num_free_blocks(self, group: str = "swa") -> int:
-        """Free blocks of one group's pool on this rank (groups: ``self.managers``)."""
-        return self.managers[group].pool.num_free
+    @property
+    def free_blocks(self) -> dict[str, int]:
+        """Free blocks of each group's pool on this rank (one pool per group, unlike
+        ``AttentionRunner.num_free_blocks``)."""
+        return {name: m.pool.num_free for name, m in self.managers.items()}
 
     def free(self, request_id: Hashable) -> None:
         """Release a request's blocks on this rank; ``KeyError`` for an unknown id."""

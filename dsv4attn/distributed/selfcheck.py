@@ -192,6 +192,11 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         out["single_err"] = _rel_err(single, want)
         out["tol"] = 2 * out["single_err"] + 1e-6
     out["ok"] = out["err"] <= out["tol"]
+    if not memory:  # every request was freed: every block is back in its pool
+        free = (dist_runner.free_blocks if isinstance(dist_runner, DCPAttentionRunner)
+                else {"pool": dist_runner.num_free_blocks})
+        out["all_blocks_back"] = not dist_runner.requests and all(v == kw["num_blocks"] for v in free.values())
+        out["ok"] = out["ok"] and out["all_blocks_back"]
     if memory:
         rid = next(iter(seqs32))
         single, mine = held_bytes(single_runner, rid), held_bytes(dist_runner, rid)
