@@ -80,6 +80,8 @@ def test_dcp_and_launch_refuse_bad_configurations():
             ParallelConfig(**bad)
     with pytest.raises(ValueError, match="needs 4 processes, but 2"):
         init_parallel(ParallelConfig(tp=2, dcp=2), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        init_parallel(ParallelConfig(tp=2), rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank"):
         num_local(5, 2, 2, 1)
     single = init_parallel(ParallelConfig(), rank=0, world_size=1, device="cpu")

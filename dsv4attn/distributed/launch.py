@@ -97,6 +97,8 @@ def init_parallel(
     local_rank = (_env_int("LOCAL_RANK") if local_rank is None else local_rank)
     if world_size is None:
         world_size, rank = 1, 0
+    if rank is None or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank} (torchrun sets RANK)")
     if world_size != config.world_size:
         raise ValueError(f"--tp {config.tp} x --dcp {config.dcp} needs {config.world_size} processes, "
                          f"but {world_size} were started (torchrun --nproc-per-node)")
