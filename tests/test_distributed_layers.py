@@ -8,7 +8,8 @@ The oracle is the single-process runner (itself tested against transformers in
 test_layer_runner.py). fp32 tolerance 1e-5 of the output's max (observed ~5e-7: the parallel
 paths only reorder fp32 sums); bf16 (GPU only) follows the 2x rule against the fp32 single
 process. The "reserved" cases start a request at position 700 over zero pages (the benchmarks'
-never-run context) in both runs. The memory cases run one 2048-token request: each rank must hold at most half the
+never-run context) in both runs; the "fp8" cases use fp8_ds_mla pages (SWA, compressed KV and
+indexer keys) in both runs. The memory cases run one 2048-token request: each rank must hold at most half the
 compressed-cache bytes of one process plus one partial block per cache.
 
 A last test starts the command-line check under torchrun with 4 gloo processes, TP 2 x DCP 2
@@ -34,7 +35,7 @@ from dsv4attn.distributed.selfcheck import spawn_worker
 
 TP_CASES = ["tp2-dcp1-sliding", "tp2-dcp1-csa", "tp2-dcp1-hca", "tp2-dcp1-sliding-6heads-3groups"]
 DCP_CASES = ["tp1-dcp2-sliding", "tp1-dcp2-csa", "tp1-dcp2-hca", "dcp-interleave3-csa", "dcp-interleave3-hca",
-             "tp1-dcp2-csa-reserved", "tp1-dcp2-hca-reserved"]
+             "tp1-dcp2-csa-reserved", "tp1-dcp2-hca-reserved", "tp1-dcp2-csa-fp8", "tp1-dcp2-hca-fp8"]
 MEMORY_CASES = ["tp1-dcp2-csa-memory", "tp1-dcp2-hca-memory", "dcp-interleave3-csa-memory",
                 "dcp-interleave3-hca-memory"]
 ALL = TP_CASES + DCP_CASES + MEMORY_CASES

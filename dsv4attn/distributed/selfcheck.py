@@ -155,9 +155,10 @@ def held_bytes(runner: Any, request_id: str) -> dict[str, int]:
 
 def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.float32, impl: str | None = None,
                 lengths: list[int] | None = None, seed: int = 0, num_heads: int = 4, o_groups: int = 2,
-                memory: bool = False, reserve: int = 0) -> dict[str, Any]:
+                memory: bool = False, reserve: int = 0, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """One kind through one plan: single process vs this rank's parallel runner (see module doc).
-    ``reserve``: the first request starts at that position over zero-filled pages (never-run
+    ``kv_cache_dtype``: "auto" (pages in the layer dtype) or "fp8_ds_mla" (both runs quantise the
+    same entries the same way, so the fp32 tolerance holds). ``reserve``: the first request starts at that position over zero-filled pages (never-run
     context, as the benchmarks use; the same zeros in both runs)."""
     dev = ctx.device
     impl = impl or ("auto" if dev.type == "cuda" else "reference")
@@ -172,7 +173,7 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         steps = [{"r0": min(LONG_CHUNK, n - s)} for s in range(0, n, LONG_CHUNK)] + [{"r0": 1}] * LONG_DECODES
     else:
         steps = make_plan({k: v.shape[0] for k, v in seqs32.items()}, max(ratio, 4), seed)
-    kw = dict(RUNNER_KW, impl=impl, device=dev)
+    kw = dict(RUNNER_KW, impl=impl, device=dev, kv_cache_dtype=kv_cache_dtype)
     layer32 = random_layer(cfg, layer_idx, seed, torch.float32, dev)
     single_runner = AttentionRunner(layer32, **kw)
     want = run_plan(single_runner, seqs32, steps, free=not memory, reserve=reserve)
@@ -271,8 +272,9 @@ def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out
         dtype = getattr(torch, name)
         uneven = {"sliding-6heads-3groups": dict(kind="sliding", dtype=dtype, num_heads=6, o_groups=3)}
         res = run_checks(tp, dtype, extra=uneven if world_size == 2 else None)
-        res |= run_checks(dcp, dtype, extra={f"{k}-reserved": dict(kind=k, dtype=dtype, reserve=700, lengths=[20, 9])
-                                             for k in ("csa", "hca")})
+        extra = {f"{k}-reserved": dict(kind=k, dtype=dtype, reserve=700, lengths=[20, 9]) for k in ("csa", "hca")}
+        extra |= {f"{k}-fp8": dict(kind=k, dtype=dtype, kv_cache_dtype="fp8_ds_mla") for k in ("csa", "hca")}
+        res |= run_checks(dcp, dtype, extra=extra)
         res |= run_checks(dcp3, dtype, kinds=("csa", "hca"), prefix="dcp-interleave3")
         results |= {k if name == "float32" else f"{k}-{name}": v for k, v in res.items()}
     if rank == 0:
