@@ -61,7 +61,6 @@ def main() -> None:
                                                 validate_indices=False, impl=impl))
             rows.append(Row(f"indexer_topk decode B={B} ctx={ctx}", us, flops=2 * B * H * D * n, bytes=nbytes,
                             extra={"impl": impl}))
-        del cache
     print_table("lightning indexer: score + top-512 over fp8 pages (bf16 q)", rows, ceil)
 
 

@@ -74,11 +74,11 @@ def oracle(case):
             continue
         k = p // r
         rows = []
-        for l in range(coff * r):
-            pos = k * r - (coff - 1) * r + l
+        for j in range(coff * r):
+            pos = k * r - (coff - 1) * r + j
             if pos < 0 or pos // bs >= len(bt[req]) or not 0 <= bt[req][pos // bs] < nb:
                 continue
-            half = D if (overlap and l >= r) else 0
+            half = D if (overlap and j >= r) else 0
             row = st[bt[req][pos // bs], pos % bs].tolist()
             rows.append((row[half:half + D], row[coff * D + half:coff * D + half + D]))
         res = []

@@ -33,9 +33,9 @@ def _compressor_pool_kernel(
     if (p < 0) | (req < 0) | (req >= num_reqs):
         tl.store(out, tl.zeros([BLOCK_D], tl.float32), mask=dm)
         return
-    l = tl.arange(0, L_P2)
-    rowpos = (p // ratio) * ratio - (COFF - 1) * ratio + l
-    valid = (l < COFF * ratio) & (rowpos >= 0)
+    w_row = tl.arange(0, L_P2)
+    rowpos = (p // ratio) * ratio - (COFF - 1) * ratio + w_row
+    valid = (w_row < COFF * ratio) & (rowpos >= 0)
     col = tl.where(valid, rowpos // block_size, 0)
     valid = valid & (col < max_blocks)
     col = tl.where(valid, col, 0)
@@ -44,7 +44,7 @@ def _compressor_pool_kernel(
     row = (tl.where(valid, blk, 0).to(tl.int64) * stride_state_block
            + tl.where(valid, rowpos % block_size, 0) * stride_state_entry)
     if COFF == 2:
-        row = row + tl.where(l >= ratio, dim, 0)  # current block: second half of the columns
+        row = row + tl.where(w_row >= ratio, dim, 0)  # current block: second half of the columns
     m2 = valid[:, None] & dm[None, :]
     addr = state_ptr + row[:, None] + d[None, :]
     kv = tl.load(addr, mask=m2, other=0.0)

@@ -31,7 +31,7 @@ def _p2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
-def check_indexer_cache(name: str, cache: object, head_dim: int) -> bool:
+def check_indexer_cache(name: str, cache: torch.Tensor, head_dim: int) -> bool:
     """Raise unless ``cache`` is an indexer-K cache for keys of ``head_dim``; return True for fp8.
 
     fp8: uint8 ``(num_blocks, block_size, head_dim + 4)`` view, contiguous entry bytes, block
@@ -58,7 +58,7 @@ def check_indexer_cache(name: str, cache: object, head_dim: int) -> bool:
     return True
 
 
-def check_paged_rows(block_table: object, token_to_req: object, lengths: object, num_tokens: int,
+def check_paged_rows(block_table: torch.Tensor, token_to_req: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
                      num_blocks: int, block_size: int, device: torch.device, validate: bool) -> None:
     """Check a range description (block_table int32 ``[R, max_blocks]`` with contiguous rows,
     token_to_req / lengths int32 ``[T]``); with ``validate`` also the values (one host sync):
