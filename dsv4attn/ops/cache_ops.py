@@ -116,6 +116,8 @@ def insert_kv(
         raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     if kv.stride(1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
+    if layout is not None and not isinstance(layout, FP8DSMLALayout):
+        raise TypeError(f"layout must be an FP8DSMLALayout or None, got {type(layout).__name__}")
     if kv_cache_dtype == "fp8_ds_mla":
         if layout is None:
             layout = layout_for_head_dim(head_dim, 64)
