@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fuzz_common import Mutation, _bits, check_mutation, int_mutations, tensor_mutations
+from fuzz_common import Mutation, _bits, check_mutation, int_mutations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
