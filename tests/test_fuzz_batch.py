@@ -49,8 +49,9 @@ REQ_MUTS = (
 )
 
 
-@settings(max_examples=3 * len(REQ_MUTS), **SETTINGS)
-@given(n=st.integers(1, 4), seed=st.integers(0, 99), mut=st.sampled_from(REQ_MUTS))
+@pytest.mark.parametrize("mut", REQ_MUTS, ids=repr)
+@settings(max_examples=4, **SETTINGS)
+@given(n=st.integers(1, 4), seed=st.integers(0, 99))
 def test_fuzz_batch_from_requests(n, seed, mut):
     ql = [1] * n
     sl = [71 + 7 * i for i in range(n)]
@@ -75,8 +76,7 @@ CONFIG_MUTS = (
 )
 
 
-@settings(max_examples=2 * len(CONFIG_MUTS), **SETTINGS)
-@given(mut=st.sampled_from(CONFIG_MUTS))
+@pytest.mark.parametrize("mut", CONFIG_MUTS, ids=repr)
 def test_fuzz_metadata_config(mut):
     kw = dict(max_num_batched_tokens=64, max_num_reqs=8, max_model_len=1024, num_blocks=NUM_BLOCKS, window_size=128,
               compress_ratios=(4, 128), swa_block_size=64, mla_block_size=256, index_topk=512, form="full")

@@ -8,6 +8,7 @@ written elsewhere.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fuzz_common import Mutation, _bits, check_mutation, tensor_mutations
 from hypothesis import HealthCheck, given, settings
@@ -77,8 +78,9 @@ def _slots(seed, n, capacity):
     return s
 
 
-@settings(max_examples=3 * len(INSERT_KV_MUTS), **SETTINGS)
-@given(n=st.integers(1, 6), seed=st.integers(0, 99), mut=st.sampled_from(INSERT_KV_MUTS),
+@pytest.mark.parametrize("mut", INSERT_KV_MUTS, ids=repr)
+@settings(max_examples=4, **SETTINGS)
+@given(n=st.integers(1, 6), seed=st.integers(0, 99),
        impl=st.sampled_from(["reference", "triton"]))
 def test_fuzz_insert_kv(n, seed, mut, impl):
     g = torch.Generator().manual_seed(seed)
@@ -96,8 +98,9 @@ def test_fuzz_insert_kv(n, seed, mut, impl):
 INDEXER_MUTS = _src_muts("k") + _slot_muts(NB * BS) + _cache_muts("cache", 36) + COMMON
 
 
-@settings(max_examples=3 * len(INDEXER_MUTS), **SETTINGS)
-@given(n=st.integers(1, 6), seed=st.integers(0, 99), mut=st.sampled_from(INDEXER_MUTS),
+@pytest.mark.parametrize("mut", INDEXER_MUTS, ids=repr)
+@settings(max_examples=4, **SETTINGS)
+@given(n=st.integers(1, 6), seed=st.integers(0, 99),
        impl=st.sampled_from(["reference", "triton"]))
 def test_fuzz_insert_indexer_k(n, seed, mut, impl):
     g = torch.Generator().manual_seed(seed)
@@ -124,8 +127,9 @@ STATE_MUTS = (
 )
 
 
-@settings(max_examples=3 * len(STATE_MUTS), **SETTINGS)
-@given(n=st.integers(1, 6), seed=st.integers(0, 99), mut=st.sampled_from(STATE_MUTS),
+@pytest.mark.parametrize("mut", STATE_MUTS, ids=repr)
+@settings(max_examples=4, **SETTINGS)
+@given(n=st.integers(1, 6), seed=st.integers(0, 99),
        impl=st.sampled_from(["reference", "triton"]))
 def test_fuzz_write_compressor_state(n, seed, mut, impl):
     g = torch.Generator().manual_seed(seed)

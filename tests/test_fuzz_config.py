@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 from fuzz_common import Mutation, check_mutation, int_mutations
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck
 
 from dsv4attn.backend import DeepseekV4SparseBackend as B
 from dsv4attn.config import AttentionConfig, RopeConfig
@@ -52,8 +51,7 @@ ATTN_MUTS = (
 )
 
 
-@settings(max_examples=2 * len(ATTN_MUTS), **SETTINGS)
-@given(mut=st.sampled_from(ATTN_MUTS))
+@pytest.mark.parametrize("mut", ATTN_MUTS, ids=repr)
 def test_fuzz_attention_config(mut):
     check_mutation(AttentionConfig, dict(ATTN_KW), [], mut)
 
@@ -65,8 +63,7 @@ ROPE_MUTS = (_floats("theta", positive=True) + _floats("factor") + _floats("beta
                 Mutation("factor", "zero for yarn", lambda v: 0.0, "refuse", "factor")])
 
 
-@settings(max_examples=2 * len(ROPE_MUTS), **SETTINGS)
-@given(mut=st.sampled_from(ROPE_MUTS))
+@pytest.mark.parametrize("mut", ROPE_MUTS, ids=repr)
 def test_fuzz_rope_config(mut):
     kw = dict(theta=1.6e5, rope_type="yarn", factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0,
               beta_slow=1.0, attention_factor=1.0)
@@ -85,8 +82,7 @@ CACHE_MUTS = (
 )
 
 
-@settings(max_examples=2 * len(CACHE_MUTS), **SETTINGS)
-@given(mut=st.sampled_from(CACHE_MUTS))
+@pytest.mark.parametrize("mut", CACHE_MUTS, ids=repr)
 def test_fuzz_cache_config(mut):
     kw = dict(compress_ratios=(0, 4, 128), head_dim=512, rope_dim=64, index_head_dim=128, sliding_window=128,
               block_size=256, swa_block_size=64, c4_state_block_size=4, c128_state_block_size=8,
