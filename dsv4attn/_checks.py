@@ -40,15 +40,20 @@ def check_tensor(
 
 
 def same_device(**tensors: torch.Tensor | None) -> torch.device:
-    """Return the common device of the given tensors (``None`` entries ignored)."""
+    """Return the common device of the given tensors (``None`` entries ignored); ``ValueError``
+    naming every tensor that is not on the device most of them share."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if not devices:
         raise ValueError("no tensor given")
-    first = next(iter(devices.values()))
-    for name, d in devices.items():
-        if d != first:
-            raise ValueError(f"all tensors must be on one device: {name} is on {d}, expected {first}")
-    return first
+    values = list(devices.values())
+    common = max(values, key=values.count)  # ties: the first argument's device
+    odd = [f"{name} is on {d}" for name, d in devices.items() if d != common]
+    if odd:
+        raise ValueError(f"all tensors must be on one device ({common}): " + ", ".join(odd))
+    return common
 
 
 #: Largest int32 value: slots and lengths written as int32 must stay at or below it.

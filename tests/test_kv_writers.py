@@ -16,19 +16,17 @@ from dsv4attn.kv_cache.allocator import NULL_BLOCK, KVCacheManager
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
     alloc_fp8_ds_mla_cache,
+    alloc_indexer_k_cache,
     dequantize_fp8_ds_mla,
+    dequantize_indexer_k,
     encode_pages,
+    indexer_pages_of,
     pages_of,
     quantize_fp8_ds_mla,
+    quantize_indexer_k,
 )
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
-from dsv4attn.reference.cache_ops import (
-    alloc_indexer_k_cache,
-    dequantize_indexer_k,
-    indexer_pages_of,
-    quantize_indexer_k,
-)
 
 IMPLS = ["reference", "triton"]
 POISON = 0xFF  # an e4m3 NaN byte, an impossible scale byte

@@ -301,7 +301,11 @@ def quantize_fp8_ds_mla(x: torch.Tensor, layout: FP8DSMLALayout | None = None) -
         raise TypeError(f"x must be bf16/fp16/fp32, got {x.dtype}")
     if x.dim() != 3 or 0 in x.shape:
         raise ValueError(f"x must have shape (num_blocks, block_size, head_dim), all > 0, got {tuple(x.shape)}")
-    layout = layout or layout_for_head_dim(x.shape[2], 64)
+    if layout is None:
+        try:
+            layout = layout_for_head_dim(x.shape[2], 64)
+        except ValueError as e:
+            raise ValueError(f"x head_dim {x.shape[2]} has no fp8_ds_mla layout with rope 64: {e}") from None
     if x.shape[2] != layout.head_dim:
         raise ValueError(f"x last dim must be head_dim={layout.head_dim}, got {x.shape[2]}")
     num_blocks, block_size, _ = x.shape

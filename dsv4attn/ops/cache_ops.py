@@ -116,6 +116,8 @@ def insert_kv(
         raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     if kv.stride(1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
+    if layout is not None and not isinstance(layout, FP8DSMLALayout):
+        raise TypeError(f"layout must be an FP8DSMLALayout or None, got {type(layout).__name__}")
     if kv_cache_dtype == "fp8_ds_mla":
         if layout is None:
             layout = layout_for_head_dim(head_dim, 64)
@@ -224,6 +226,8 @@ def write_compressor_state(
     """
     check_tensor("kv", kv, dtype=torch.float32, ndim=2)
     num_tokens, width = kv.shape
+    if width == 0:
+        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     check_tensor("score", score, dtype=torch.float32, shape=(num_tokens, width))
     check_tensor("ape", ape, dtype=torch.float32, shape=(None, width))
     check_tensor("positions", positions, dtype=_SLOT_DTYPES, shape=(num_tokens,))
@@ -239,8 +243,6 @@ def write_compressor_state(
     for name, t in (("kv", kv), ("score", score), ("ape", ape)):
         if t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    if width == 0:
-        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     if state_cache.shape[0] < 1 or state_cache.shape[1] < 1:
         raise ValueError(f"state_cache must hold at least one block of one row, got shape {tuple(state_cache.shape)}")
     positions = positions.contiguous()

@@ -342,8 +342,6 @@ def compute_global_topk_indices_and_lens(
 def _range_inputs(positions: object, slot_mapping: object, validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
     sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, shape=(pos.shape[0],))
-    if validate:
-        check_values("positions", pos, None, MAX_POSITION)
     return pos.contiguous(), sm.contiguous()
 
 
@@ -367,6 +365,8 @@ def compute_swa_ranges(
     pos, sm = _range_inputs(positions, slot_mapping, validate)
     num_tokens = pos.shape[0]
     dev = same_device(positions=pos, slot_mapping=sm, starts_out=starts_out, lengths_out=lengths_out)
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
     if starts_out is None:
         starts_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     if lengths_out is None:
@@ -399,6 +399,8 @@ def compute_c128a_range_lengths(
     pos, sm = _range_inputs(positions, slot_mapping, validate)
     num_tokens = pos.shape[0]
     dev = same_device(positions=pos, slot_mapping=sm, lengths_out=lengths_out)
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
     if lengths_out is None:
         lengths_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     ln = _check_out("lengths_out", lengths_out, num_tokens, None, torch.int32)
