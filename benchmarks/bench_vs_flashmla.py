@@ -109,7 +109,8 @@ def compare(name: str, ref, got, lse_ref, lse_got) -> tuple[float, float]:
     return d_out, d_lse
 
 
-def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool, gen) -> Result:
+def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool,
+                gen) -> list[Result]:
     name = f"decode h{h} B{b}"
     main = fp8_cache(b * topk, device, gen)
     extra = fp8_cache(b * swa, device, gen)
@@ -132,6 +133,18 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     res = Result(name, None, median_us(ours), floor)
     if graphs:
         res.dsv4attn_graph_us = graph_us(ours)
+    # The batch-invariant mode through the op (same bytes, both sets in indices form).
+    i32 = dict(dtype=torch.int32, device=device)
+    sets = [CandidateSet(cache=c, lengths=torch.full((b,), i.shape[-1], **i32), indices=i[:, 0, :].contiguous())
+            for c, i in ((main, idx), (extra, eidx))]
+    q3 = q[:, 0]
+
+    def ours_det():
+        return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
+
+    det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
+    if graphs:
+        det.dsv4attn_graph_us = graph_us(ours_det)
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
         f8 = torch.float8_e4m3fn
@@ -142,10 +155,11 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
 
         o_fm, l_fm = theirs()
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
-        res.flashmla_us = median_us(theirs)
+        compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
+        res.flashmla_us = det.flashmla_us = median_us(theirs)
         if graphs:
-            res.flashmla_graph_us = graph_us(theirs)
-    return res
+            res.flashmla_graph_us = det.flashmla_graph_us = graph_us(theirs)
+    return [res, det]
 
 
 def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, graphs: bool,
@@ -236,8 +250,8 @@ def main() -> None:
         topk, swa = 512, 128
     for h, b in dec:
         if want(f"decode h{h} B{b}"):
-            results.append(decode_case(fm, b, h, topk, swa, ceil, device, graphs, gen))
-            print(f"  {results[-1]}", flush=True)
+            results += decode_case(fm, b, h, topk, swa, ceil, device, graphs, gen)
+            print(f"  {results[-2]}\n  {results[-1]}", flush=True)
     for h, k, s_q, s_kv in pre:
         if want(f"prefill h{h} top-k {k}"):
             results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, graphs, gen)

@@ -39,12 +39,13 @@ wait_build() {
 }
 for step in "$@"; do
   case $step in
-    tests) timeout 360 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attn*.py tests/test_flashmla_compat.py \
-             2>&1 | tail -n 40 > "$OUT/tests.txt" ;;
+    tests) xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
+           timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
+             tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
     sweep) timeout 300 python3 scripts/attn_variants.py > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
     report) python3 scripts/sm90_report.py --quick > "$OUT/report.txt" 2>&1 ;;
-    vs) wait_build; python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs --json "$OUT/vs.json" 2>&1 \
-          | tee "$OUT/vs.txt" | tail -n 16 ;;
+    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
+          --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
     *) echo "unknown step $step" ;;
   esac
 done

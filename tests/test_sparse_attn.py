@@ -321,7 +321,8 @@ def test_fp32_pages_equal_bf16_pages_holding_the_same_values(impl, device):
 VARIANTS = [(True, 1, False), (False, 2, False), (True, 2, False), (True, 2, True)]
 
 
-@pytest.mark.parametrize("layout", [SMALL_LAYOUT, PROD_LAYOUT], ids=["small", "prod"])
+@pytest.mark.parametrize("layout", [SMALL_LAYOUT, pytest.param(PROD_LAYOUT, marks=pytest.mark.slow)],
+                         ids=["small", "prod"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=["pf%d-v%d-lazy%d" % v for v in VARIANTS])
 def test_prefetch_and_v_split_match_oracle(variant, layout, device):
     """The software-pipelined gather and the d_v split across two launches: fp8 and bf16

@@ -20,8 +20,9 @@ token sees, in one of two forms (the metadata contract shared with ``dsv4attn.me
 In both forms a slot at or beyond the cache capacity (``num_blocks * block_size``) counts as
 invalid too, so a bad index can never address memory outside the cache.
 
-Caches: ``fp8_ds_mla`` uint8 views ``(num_blocks, block_size, entry_bytes)`` with a padded block
-stride (see :mod:`dsv4attn.kv_cache.layout`), or plain bf16 pages
+Caches: ``fp8_ds_mla`` uint8 views ``(num_blocks, block_size, entry_bytes)`` whose block stride is
+at least ``block_size * entry_bytes`` (the padded pages of :mod:`dsv4attn.kv_cache.layout`, or
+a contiguous layout as engines' tests allocate), or plain bf16 pages
 ``(num_blocks, block_size, head_dim)`` whose last dim is contiguous.
 """
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4attn._checks import check_tensor
-from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT, FP8DSMLALayout, check_fp8_ds_mla_cache
+from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT, FP8DSMLALayout
 
 
 #: Most entries one token can see in one set (index width, or block-table columns x block
@@ -119,7 +120,14 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         raise ValueError(f"{name}.cache must be on {device}, got {cache.device}")
     if cache.dtype == torch.uint8:
         lay = resolve_layout(s, head_dim, name)
-        check_fp8_ds_mla_cache(f"{name}.cache", cache, lay)
+        if cache.dim() != 3 or cache.shape[2] != lay.entry_bytes or cache.stride(2) != 1:
+            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {lay.entry_bytes}) uint8 view with "
+                             f"contiguous bytes, got shape {tuple(cache.shape)} strides {cache.stride()}")
+        # The kernels read block_size * entry_bytes bytes per block: the padded page stride of
+        # dsv4attn's allocator or a contiguous layout (engines' tests) both qualify.
+        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * lay.entry_bytes:
+            raise ValueError(f"{name}.cache block stride {cache.stride(0)} is smaller than a block's "
+                             f"{cache.shape[1] * lay.entry_bytes} bytes")
         if cache.data_ptr() % 4 or (cache.shape[0] > 1 and cache.stride(0) % 4):
             # Kernels read entries as 32-bit words; real pages are 576-byte aligned.
             raise ValueError(f"{name}.cache pages must be 4-byte aligned (data_ptr and stride(0))")

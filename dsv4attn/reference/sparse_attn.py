@@ -64,7 +64,8 @@ def gather_entries(s: CandidateSet, slot: torch.Tensor, layout: FP8DSMLALayout |
     if layout is None:  # bf16 pages
         return cache[blk, off].float()
     # Byte addresses from the block base (the view's middle/last dims are cosmetic).
-    base = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,), cache.storage_offset())
+    span = (cache.shape[0] - 1) * cache.stride(0) + bs * layout.entry_bytes  # last block: its bytes only
+    base = cache.as_strided((span,), (1,), cache.storage_offset())
     blk_base = blk * cache.stride(0)
     data_off = blk_base + off * layout.data_bytes
     d = torch.arange(layout.data_bytes, device=slot.device)
