@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4attn.kernels.sparse_attn import _attend_chunk, _clip_range, _finish, _load_q_part
+from dsv4attn.kernels.sparse_attn import _attend_chunk, _finish, _load_q_part
+from dsv4attn.kernels.sparse_attn_gather import _clip_range
 
 #: Larger than any entry position (int32); constexpr because compiled Triton reads only those.
 _BIG = tl.constexpr(2147483647)
