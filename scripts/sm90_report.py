@@ -101,8 +101,8 @@ def main() -> None:
     print(f"triton {triton.__version__}, target sm90; production layout {LAY.nope_dim}+{LAY.rope_dim}")
     if args.variants:
         grid = [(64, 32, 8, 1)]
-    elif args.quick:
-        grid = [(64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
+    elif args.quick:  # the defaults of kernel_config (64-head tiles: 64-wide chunks)
+        grid = [(64, 64, 8, 1), (64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
     else:
         grid = [(bh, bn, w, st) for bh in (64, 32, 16) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
     print("decode kernel (C4A indices + SWA range, sink, final write):")
