@@ -3,9 +3,15 @@
 Same arguments, shapes and semantics as the FlashMLA Python API's sparse paths, so code written
 against ``flash_mla`` can switch by changing the import:
 
-* :func:`get_mla_metadata` returns ``(FlashMLASchedMeta(), None)`` like FlashMLA's; our kernels
-  need no scheduler metadata, so the object is a placeholder that only records the first
-  call's shapes (FlashMLA's rule that one metadata object serves one shape is checked).
+* :func:`get_mla_metadata` returns ``(FlashMLASchedMeta(), None)`` like FlashMLA's. It carries
+  FlashMLA's fields; our kernels need no tile-scheduler table (``tile_scheduler_metadata``
+  stays ``None``), ``num_splits`` holds the split-KV factor chosen at the first call, and the
+  first call's shapes are recorded (FlashMLA's rule that one metadata object serves one shape
+  is checked). A call that fails validation leaves the object untouched.
+* Caches: fp8_ds_mla as ``uint8`` or as FlashMLA's own ``torch.float8_e4m3fn`` view of the same
+  bytes, with the padded block stride of :mod:`dsv4attn.kv_cache.layout` or contiguous
+  (``block_size * 584`` bytes per block, as engines' tests allocate them).
+* ``out=`` (keyword) takes a preallocated output, as vLLM passes it.
 * :func:`flash_mla_with_kvcache`: sparse decode over fp8_ds_mla paged caches (``indices``
   required; dense mode raises). ``lse`` is natural-log, ``(batch, num_heads, seq_len_q)``.
 * :func:`flash_mla_sparse_fwd`: sparse attention over a flat bf16 ``kv``; returns
@@ -28,15 +34,19 @@ from dsv4attn.ops.sparse_attn import _forward
 
 @dataclass
 class FlashMLASchedMeta:
-    """Placeholder of FlashMLA's tile-scheduler metadata (our kernels schedule themselves).
+    """FlashMLA's scheduling-metadata object, with its fields (our kernels schedule themselves).
 
     ``config`` records ``(batch, seq_len_q, num_heads, block_size, topk, extra_block_size,
     extra_topk)`` of the first call it is used with; later calls with other shapes raise, as
-    FlashMLA requires one metadata object per shape.
+    FlashMLA requires one metadata object per shape. ``tile_scheduler_metadata`` is always
+    ``None`` (no tile table is needed); ``num_splits`` is a 1-element int32 CPU tensor with the
+    split-KV factor of the first call (FlashMLA keeps a per-batch device tensor there).
     """
 
     have_initialized: bool = False
     config: tuple | None = field(default=None)
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
 
 
 def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
@@ -57,8 +67,10 @@ def _paged_set(name: str, cache: torch.Tensor, indices: torch.Tensor | None, len
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[2] != 1:
         shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
         raise ValueError(f"{name} must be (num_blocks, block_size, 1, bytes_or_dim), got {shape}")
-    if is_fp8 != (cache.dtype == torch.uint8):
+    if is_fp8 != (cache.dtype in (torch.uint8, torch.float8_e4m3fn)):
         raise TypeError(f"{name} dtype {cache.dtype} does not match is_fp8_kvcache={is_fp8}")
+    if cache.dtype == torch.float8_e4m3fn:  # FlashMLA's dtype for the same bytes
+        cache = cache.view(torch.uint8)
     check_tensor(f"{name} indices", indices, dtype=torch.int32, ndim=3, device=device)
     if indices.shape[:2] != (batch, s_q):
         raise ValueError(f"{name} indices must be (batch={batch}, seq_len_q={s_q}, topk), got {tuple(indices.shape)}")
@@ -86,6 +98,7 @@ def flash_mla_with_kvcache(
     topk_length: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode, FlashMLA's signature. q ``(batch, seq_len_q, num_heads, head_dim)`` bf16;
@@ -94,6 +107,7 @@ def flash_mla_with_kvcache(
     ``(batch, seq_len_q, topk)`` int32 global slots (-1 = hole); ``topk_length (batch,)``
     int32 limits each row (None = full); the ``extra_*`` set is a second cache attended in the
     same softmax; ``attn_sink (num_heads,)`` fp32. ``block_table``/``cache_seqlens`` are unused.
+    ``out``: optional preallocated ``(batch, seq_len_q, num_heads, head_dim_v)`` bf16 output.
 
     Returns ``out (batch, seq_len_q, num_heads, head_dim_v)`` bf16 and ``lse (batch, num_heads,
     seq_len_q)`` fp32 (natural log, +inf for rows without a valid candidate; the sink does not
@@ -128,12 +142,39 @@ def flash_mla_with_kvcache(
     if meta.have_initialized and meta.config != config:
         raise ValueError(f"tile_scheduler_metadata was first used with shapes {meta.config}, now {config}; "
                          "use one get_mla_metadata() object per shape")
-    meta.have_initialized, meta.config = True, config
+    dst = _out_view("out", out, (batch, s_q, num_heads, head_dim_v), head_dim, device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    out, lse, _ = _forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink, None, impl, None,
+    res, lse, _ = _forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
+                           None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl, None,
                            want_max=False)
-    out = out.view(batch, s_q, num_heads, head_dim)[..., :head_dim_v]
-    return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
+    if not meta.have_initialized:  # bound only once a call has passed validation
+        from dsv4attn.ops.sparse_attn import kernel_config
+
+        widths = sum(s.indices.shape[1] for s in sets)
+        k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
+        meta.have_initialized, meta.config = True, config
+        meta.num_splits = torch.tensor([k], dtype=torch.int32)
+    res = res.view(batch, s_q, num_heads, head_dim)[..., :head_dim_v]
+    if out is not None and dst is None:
+        out.copy_(res)
+        res = out
+    return res, lse.view(batch, s_q, num_heads).transpose(1, 2)
+
+
+def _out_view(name: str, out: torch.Tensor | None, shape: tuple, head_dim: int, device) -> torch.Tensor | None:
+    """Check a caller's ``out`` of ``shape`` (bf16); return it when the kernels can write it in
+    place (all ``head_dim`` dims, rows viewable as ``[tokens, heads, head_dim]``), else None
+    (the result is then copied into it)."""
+    if out is None:
+        return None
+    check_tensor(name, out, dtype=torch.bfloat16, shape=shape, device=device)
+    if shape[-1] != head_dim or out.stride(-1) != 1:
+        return None
+    try:
+        out.view(-1, shape[-2], head_dim)
+    except RuntimeError:
+        return None
+    return out
 
 
 def flash_mla_sparse_fwd(
@@ -146,6 +187,7 @@ def flash_mla_sparse_fwd(
     topk_length: torch.Tensor | None = None,
     indexer_topk: int = 0,
     *,
+    out: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention over a flat KV, FlashMLA's signature. q ``[s_q, num_heads, d_qk]`` bf16;
@@ -155,6 +197,7 @@ def flash_mla_sparse_fwd(
     Returns ``out [s_q, num_heads, d_v]`` bf16 (the first ``d_v`` dims of ``sum p_j kv_j``,
     sink applied), ``max_logits [s_q, num_heads]`` fp32 (scaled; -inf for empty rows) and
     ``lse [s_q, num_heads]`` fp32 (natural log; +inf for empty rows). ``indexer_topk`` must be 0.
+    ``out``: optional preallocated ``[s_q, num_heads, d_v]`` bf16 output (vLLM passes one).
     """
     if indexer_topk != 0:
         raise ValueError(f"indexer_topk must be 0 (the indexer-lse output is not implemented), got {indexer_topk!r}")
@@ -179,6 +222,11 @@ def flash_mla_sparse_fwd(
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(s_q,), device=q.device)
         lengths = topk_length
     # kv as bf16 pages of one entry each: slot = row, capacity = s_kv (>= s_kv is invalid).
+    dst = _out_view("out", out, (s_q, num_heads, d_v), d_qk, q.device)
     cset = CandidateSet(cache=kv, lengths=lengths, indices=indices[:, 0, :])
-    out, lse, max_logits = _forward(q, [cset], float(sm_scale), attn_sink, None, impl, 1, want_max=True)
-    return out[..., :d_v], max_logits, lse
+    res, lse, max_logits = _forward(q, [cset], float(sm_scale), attn_sink, dst, impl, 1, want_max=True)
+    res = res[..., :d_v]
+    if out is not None and dst is None:
+        out.copy_(res)
+        res = out
+    return res, max_logits, lse

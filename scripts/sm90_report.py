@@ -87,18 +87,23 @@ def geo() -> dict:
                 CPU_INTERP=False)
 
 
-def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool = True, lazy: bool = False) -> dict:
+def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool = True, lazy: bool = False,
+                      v_mask: int = 15, prefetch: bool = False) -> dict:
     return dict(geo(), OUT_BF16=out_bf16, A_FP8=True, A_RANGE=False, HAS_B=True, B_FP8=True, B_RANGE=True,
-                HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n, LAZY=lazy)
+                HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n, LAZY=lazy,
+                V_MASK=v_mask, PREFETCH=prefetch)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="only the default config and the decode variants")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, target sm90; production layout {LAY.nope_dim}+{LAY.rope_dim}")
-    if args.quick:
-        grid = [(64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
+    if args.variants:
+        grid = [(64, 32, 8, 1)]
+    elif args.quick:  # the defaults of kernel_config (64-head tiles: 64-wide chunks)
+        grid = [(64, 64, 8, 1), (64, 32, 8, 1), (16, 32, 4, 1), (32, 32, 8, 1)]
     else:
         grid = [(bh, bn, w, st) for bh in (64, 32, 16) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2)]
     print("decode kernel (C4A indices + SWA range, sink, final write):")
@@ -106,6 +111,15 @@ def main() -> None:
         r = compile_report(_sparse_mla_attn_kernel, decode_constexprs(bh, bn, False), w, st)
         print(f"  BLOCK_H={bh:3d} BLOCK_N={bn:3d} warps={w} stages={st}: regs {r['regs']:3d} spills {r['spills']:5d} "
               f"smem {r['smem'] / 1024:6.1f} KiB  ({r['secs']:.0f}s)", flush=True)
+    print("decode kernel variants (prefetch, d_v split: V_MASK 1 = dims 0-255, 14 = the rest):")
+    for bh, bn, w, vm, pf in ((64, 32, 8, 15, True), (64, 32, 8, 1, False), (64, 32, 8, 14, False),
+                              (64, 32, 8, 1, True), (64, 32, 8, 14, True), (64, 64, 8, 1, True),
+                              (64, 32, 4, 1, True), (64, 32, 4, 14, True)):
+        r = compile_report(_sparse_mla_attn_kernel, decode_constexprs(bh, bn, False, v_mask=vm, prefetch=pf), w, 1)
+        print(f"  BLOCK_H={bh} BLOCK_N={bn} warps={w} V_MASK={vm:2d} prefetch={pf:d}: regs {r['regs']} "
+              f"spills {r['spills']} smem {r['smem'] / 1024:.1f} KiB", flush=True)
+    if args.variants:
+        return
     print("decode kernel, split-KV partial write, fp32 q/out:")
     r = compile_report(_sparse_mla_attn_kernel, decode_constexprs(64, 32, True), 8, 1)
     print(f"  partial  BLOCK_H=64 BLOCK_N=32 warps=8: regs {r['regs']} spills {r['spills']} smem {r['smem']}")

@@ -123,3 +123,62 @@ def test_sparse_fwd_rejects_bad_args(device):
         flash_mla_sparse_fwd(q, kv, idx, 0.1, d_v=512)
     with pytest.raises(ValueError, match="indexer_topk"):
         flash_mla_sparse_fwd(q, kv, idx, 0.1, d_v=80, indexer_topk=512)
+
+
+def _contiguous_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The same entries in a contiguous (num_blocks, block_size, 584) buffer (block stride
+    block_size * 584, no page padding), as engines' tests allocate caches."""
+    nb, bs, eb = cache.shape
+    flat = torch.zeros(nb * bs * eb, dtype=torch.uint8, device=cache.device)
+    for b in range(nb):
+        flat[b * bs * eb : (b + 1) * bs * eb] = cache.as_strided((bs * eb,), (1,), cache.storage_offset()
+                                                                  + b * cache.stride(0))
+    return flat.view(nb, bs, eb)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_with_kvcache_fp8_dtype_contiguous_cache_and_out(impl, device):
+    """FlashMLA's float8_e4m3fn view of the bytes, a contiguous cache (block stride 584 * bs)
+    and a preallocated out give exactly the uint8 padded-page result; the metadata object
+    carries FlashMLA's fields and is not bound by a call that fails validation."""
+    gen = torch.Generator().manual_seed(8)
+    batch, h = 3, 4
+    a = build_set(SetSpec("indices", True, 16, 50), batch, [0] * batch, PROD_LAYOUT, gen, device)
+    q = torch.randn(batch, 1, h, 512, generator=gen).to(torch.bfloat16).to(device)
+    idx = a.cset.indices.view(batch, 1, -1)
+    meta, _ = get_mla_metadata()
+    lens = a.cset.lengths  # past the length: poisoned entries
+    want_o, want_l = flash_mla_with_kvcache(q, a.cset.cache.unsqueeze(-2), None, None, 512, meta, is_fp8_kvcache=True,
+                                            indices=idx, topk_length=lens, impl=impl)
+    assert torch.isfinite(want_o).all()
+    assert meta.tile_scheduler_metadata is None and meta.num_splits.dtype == torch.int32
+    contiguous = _contiguous_copy(a.cset.cache)
+    assert contiguous.stride(0) == 16 * 584 < a.cset.cache.stride(0)
+    out = torch.full((batch, 1, h, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    meta2, _ = get_mla_metadata()
+    with pytest.raises(ValueError, match="out"):  # bad out: refused, meta2 stays unbound
+        flash_mla_with_kvcache(q, contiguous.unsqueeze(-2), None, None, 512, meta2, is_fp8_kvcache=True,
+                               indices=idx, topk_length=lens, out=out[:, :, :2], impl=impl)
+    assert not meta2.have_initialized and meta2.config is None
+    got_o, got_l = flash_mla_with_kvcache(q, contiguous.unsqueeze(-2).view(torch.float8_e4m3fn), None, None, 512,
+                                          meta2, is_fp8_kvcache=True, indices=idx, topk_length=lens, out=out,
+                                          impl=impl)
+    assert got_o.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want_o, rtol=0, atol=0)
+    torch.testing.assert_close(got_l, want_l, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_sparse_fwd_writes_out_in_place(impl, device):
+    gen = torch.Generator().manual_seed(9)
+    s_q, h, d = 3, 4, SMALL_LAYOUT.head_dim
+    kv = torch.randn(30, 1, d, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.randint(0, 30, (s_q, 1, 12), generator=gen, dtype=torch.int32).to(device)
+    q = torch.randn(s_q, h, d, generator=gen).to(torch.bfloat16).to(device)
+    want = flash_mla_sparse_fwd(q, kv, idx, 0.2, d_v=d, impl=impl)
+    for d_v in (d, 64):  # in place, and through a copy when only the first d_v dims are asked
+        out = torch.zeros(s_q, h, d_v, dtype=torch.bfloat16, device=device)
+        got = flash_mla_sparse_fwd(q, kv, idx, 0.2, d_v=d_v, out=out, impl=impl)
+        assert got[0].data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, want[0][..., :d_v], rtol=0, atol=0)
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)

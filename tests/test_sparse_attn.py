@@ -315,3 +315,33 @@ def test_fp32_pages_equal_bf16_pages_holding_the_same_values(impl, device):
     o32, l32 = sparse_mla_attention(q, sets_fp32, scale, impl=impl)
     torch.testing.assert_close(o32, o16, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(l32, l16, rtol=0, atol=0, equal_nan=True)
+
+
+#: Decode-kernel variants beyond the tile sizes: (prefetch, v_split, lazy_rescale).
+VARIANTS = [(True, 1, False), (False, 2, False), (True, 2, False), (True, 2, True)]
+
+
+@pytest.mark.parametrize("layout", [SMALL_LAYOUT, pytest.param(PROD_LAYOUT, marks=pytest.mark.slow)],
+                         ids=["small", "prod"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["pf%d-v%d-lazy%d" % v for v in VARIANTS])
+def test_prefetch_and_v_split_match_oracle(variant, layout, device):
+    """The software-pipelined gather and the d_v split across two launches: fp8 and bf16
+    pages, both forms, NaN-poisoned pages, holes, empty rows, lengths shorter than one chunk
+    and spanning several (the prefetch runs past the end), splits 1 and 3, +-inf sinks."""
+    prefetch, v_split, lazy = variant
+    gen = torch.Generator().manual_seed(5 + v_split + 2 * prefetch + layout.nope_dim)
+    num_heads = 64 if layout is PROD_LAYOUT else 5
+    specs = [SetSpec("indices", True, 16, 70), SetSpec("range", layout is SMALL_LAYOUT, 16, 40)]
+    built = [build_set(sp, 4, [0, 0, 1, 1], layout, gen, device, lengths=lens)
+             for sp, lens in zip(specs, ([70, 0, 9, 33], [40, 0, 0, 17]))]
+    q = torch.randn(4, num_heads, layout.head_dim, generator=gen).to(torch.bfloat16)
+    sink = make_sink(num_heads, "inf", gen)
+    scale = layout.head_dim**-0.5 * 2.0
+    ref, base = oracle(q, built, scale, sink), oracle(q, built, scale, sink, True)
+    for splits in (1, 3):
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
+        cfg = KernelConfig(64 if num_heads > 32 else 16, 16, splits, 8 if num_heads > 32 else 4, 1, lazy,
+                           v_split=v_split, prefetch=prefetch)
+        _launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None, cfg)
+        assert_matches(out, lse, ref, base, f"variant {variant} splits {splits}")

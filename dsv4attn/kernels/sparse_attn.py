@@ -7,16 +7,16 @@ four power-of-two *parts* that follow the page layout: NoPE dims ``[0, P0)``, ``
 padded to ``R``). q, the dequantised candidates and the accumulators are separate tensors per
 part, so no 512-wide tile is ever built by join/reshape: a chunk's logits are the sum of the
 parts' dots and each part's accumulator gets its own ``P @ K_part`` (bf16 in, fp32 accumulate),
-under an online softmax in base 2 shared by both sets. fp8_ds_mla NoPE parts are read as
-coalesced byte rows and decoded with integer bit operations (e4m3 -> fp32 bits, times 2^120),
-times the UE8M0 scale of each 64-dim tile; the RoPE tail is read as bf16. All ``BLOCK_H``
-heads of the program share one dequantisation of each entry.
+under an online softmax in base 2 shared by both sets. Pages are read and decoded by the
+helpers of :mod:`dsv4attn.kernels.sparse_attn_gather`. All ``BLOCK_H`` heads of the program
+share one dequantisation of each entry. A program reads only its own token's candidates
+(masked lanes load zeros, -1 is never dereferenced), so NaN in other pages never reaches it.
 
-Addresses of masked lanes are clamped to valid ones (a -1 index is never dereferenced, even
-in address arithmetic), and masked lanes load zeros, so NaN in unused pages never reaches the
-accumulators. Byte offsets are int64.
+Variants (constexprs, measured on the H200 and off by default, see docs/design.md):
+``PREFETCH`` software-pipelines the gather one chunk ahead; ``V_MASK`` keeps only some of the
+accumulators, so that the 512-wide d_v can be split across two launches.
 
-Geometry constexprs (host: ``dsv4attn.ops.sparse_attn._geometry``): ``P0, P1, P2`` NoPE part
+Geometry constexprs (host: ``dsv4attn.ops.sparse_attn.geometry``): ``P0, P1, P2`` NoPE part
 widths (0 = unused) and ``Z0, Z1, Z2`` their tensor widths (= P, or 16 when unused); ``TAIL``
 = HEAD_DIM - NOPE (0 = none) and ``R`` its padded width (>= 16).
 """
@@ -26,34 +26,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4attn.kernels.sparse_attn_gather import _candidate_slots, _clip_range, _decode_nope, _load_raw, _sanitize
+
 #: log2(e) (host side: folded into the softmax scale) and ln(2) (kernel side; a constexpr, as
 #: compiled Triton only reads constexpr globals): the online softmax runs in base 2.
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _candidate_slots(
-    t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, req, start, block_size, capacity,
-    IS_RANGE: tl.constexpr,
-):
-    """Block id (int64), offset in block (int64) and validity of candidates ``j`` of token ``t``."""
-    valid = j < length
-    if IS_RANGE:
-        e = tl.where(valid, start + j, 0)
-        col = e // block_size
-        valid = valid & (col < max_blocks) & (e >= 0)
-        col = tl.where(valid, col, 0)
-        blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + col, mask=valid, other=-1)
-        valid = valid & (blk >= 0)
-        slot = blk.to(tl.int64) * block_size + e % block_size
-    else:
-        jj = tl.where(valid, j, 0)
-        slot = tl.load(idx_ptr + t.to(tl.int64) * stride_idx + jj, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (slot >= 0)
-    valid = valid & (slot < capacity)
-    slot = tl.where(valid, slot, 0)
-    return slot // block_size, slot % block_size, valid
 
 
 # ``CPU_INTERP`` (true only for CPU tensors, i.e. under Triton's interpreter) works around two
@@ -97,91 +75,65 @@ def _load_q_part(q_ptr, row_off, row_ok, D0: tl.constexpr, P: tl.constexpr, Z: t
 
 
 @triton.jit
-def _tile_scale(cache_ptr, addr, valid):
-    """UE8M0 scale bytes at ``addr [n]`` -> fp32 ``2^(byte-127)`` (built as exponent fields)."""
-    sb = tl.load(cache_ptr + addr, mask=valid, other=127).to(tl.uint32)
-    return (sb << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nope_part(cache_ptr, data, sc, valid, D0: tl.constexpr, P: tl.constexpr, IS_FP8: tl.constexpr):
-    """Candidate dims ``D0 .. D0+P-1`` (NoPE; D0 and P multiples of 64) -> ``[n, P]`` bf16.
-
-    fp8: ``data``/``sc`` are the int64 byte offsets of the entries' data and scale bytes;
-    bf16 pages: ``data`` is the element offset of the entries."""
-    dd = tl.arange(0, P)
-    if IS_FP8:
-        x = tl.load(cache_ptr + data[:, None] + (D0 + dd)[None, :], mask=valid[:, None], other=0).to(tl.uint32)
-        # e4m3fn byte -> fp32 bits with the sign at bit 31 and exponent+mantissa at bits 20..26;
-        # those bits times 2^120 equal the e4m3fn value exactly (subnormals included).
-        f = (((x & 0x80) << 24) | ((x & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
-        # Per-64-dim tile scale (a separate multiply: 2^120 x 2^(byte-127) overflows fp32 for
-        # bytes > 134). Multi-tile parts select their tile's scale per column.
-        scl = _tile_scale(cache_ptr, sc + D0 // 64, valid)[:, None]
-        if P > 64:
-            tile = (dd // 64)[None, :]
-            scl = tl.where(tile == 1, _tile_scale(cache_ptr, sc + (D0 // 64 + 1), valid)[:, None], scl)
-            if P > 128:
-                scl = tl.where(tile == 2, _tile_scale(cache_ptr, sc + (D0 // 64 + 2), valid)[:, None], scl)
-                scl = tl.where(tile == 3, _tile_scale(cache_ptr, sc + (D0 // 64 + 3), valid)[:, None], scl)
-        k = (f * scl).to(tl.bfloat16)  # exact: e4m3 x 2^k fits bf16
-    else:
-        k = tl.load(cache_ptr + data[:, None] + (D0 + dd)[None, :], mask=valid[:, None], other=0.0)
-        k = k.to(tl.bfloat16)  # no-op for bf16 pages; fp32 pages go to the bf16 tensor cores too
-    return k
-
-
-@triton.jit
-def _tail_part(cache_ptr, data, valid, NOPE: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
-               IS_FP8: tl.constexpr):
-    """Candidate dims ``NOPE .. NOPE+TAIL-1`` (RoPE: bf16 in both page formats) -> ``[n, R]``
-    bf16, zeros past TAIL."""
-    rr = tl.arange(0, R)
-    if IS_FP8:
-        base = (cache_ptr + data + NOPE).to(tl.pointer_type(tl.bfloat16))
-    else:
-        base = cache_ptr + data + NOPE
-    if TAIL == R:
-        k = tl.load(base[:, None] + rr[None, :], mask=valid[:, None], other=0.0)
-    else:
-        ok = rr < TAIL
-        k = tl.load(base[:, None] + tl.where(ok, rr, 0)[None, :], mask=valid[:, None] & ok[None, :], other=0.0)
-    return k.to(tl.bfloat16)
-
-
-@triton.jit
 def _attend_chunk(
     q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask,
     cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size, qk_scale,
     IS_FP8: tl.constexpr, NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
     TAIL: tl.constexpr, R: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
+    V_MASK: tl.constexpr = 15, SANITIZE: tl.constexpr = False,
 ):
     """Gather + dequantise one chunk of candidates (``blk``, ``off``, ``valid`` ``[BLOCK_N]``)
-    and run one step of the base-2 online softmax for ``ROWS`` query rows (``mask``
-    broadcasts to ``[ROWS, BLOCK_N]``). Returns the updated (a0, a1, a2, a3, m_i, l_i); with
-    LAZY, m_i is a lower bound of the running max within 8 (log2 units), not the max itself."""
-    if IS_FP8:
-        data = blk * stride_blk + off * DATA_BYTES
-        sc = blk * stride_blk + block_size * DATA_BYTES + off * SCALE_BYTES
-    else:
-        data = blk * stride_blk + off * stride_entry
-        sc = data
+    and run one step of the online softmax (see :func:`_attend_raw`)."""
+    r0, r1, r2, r3, s_lo, s_hi = _load_raw(cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size,
+                                           IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES)
+    return _attend_raw(q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask, r0, r1, r2, r3, s_lo, s_hi, qk_scale,
+                       IS_FP8, P0, P1, P2, TAIL, ROWS, BLOCK_N, LAZY, CPU_INTERP, V_MASK, SANITIZE)
+
+
+@triton.jit
+def _attend_raw(
+    q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask, r0, r1, r2, r3, s_lo, s_hi, qk_scale,
+    IS_FP8: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, TAIL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
+    V_MASK: tl.constexpr, SANITIZE: tl.constexpr = False,
+):
+    """Decode one chunk's raw values (from :func:`_load_raw`) and run one step of the base-2
+    online softmax for ``ROWS`` query rows (``mask`` broadcasts to ``[ROWS, BLOCK_N]``).
+    Returns the updated (a0, a1, a2, a3, m_i, l_i); only the accumulators whose bit is set in
+    ``V_MASK`` (1: a0, 2: a1, 4: a2, 8: a3) are updated (d_v split across programs). With
+    LAZY, m_i is a lower bound of the running max within 8 (log2 units), not the max itself.
+
+    SANITIZE (tiles whose entries are candidates of some rows only, i.e. shared prefill
+    gathers): non-finite values are zeroed before the MMAs, so a NaN entry cannot reach rows
+    it is no candidate of through ``0 * NaN``; the extra last return value ``bad [BLOCK_N]``
+    (int32) marks the entries that held one, for the caller to poison the rows they belong
+    to. Without SANITIZE it is all zeros."""
     s = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    bad = tl.zeros((BLOCK_N,), tl.int32)
     if P0 > 0:
-        k0 = _nope_part(cache_ptr, data, sc, valid, 0, P0, IS_FP8)
+        k0 = _decode_nope(r0, s_lo, s_hi, 0, P0, IS_FP8)
+        if SANITIZE:
+            k0, bad = _sanitize(k0, bad)
         s = _dot(q0, tl.trans(k0), s, CPU_INTERP)
     if P1 > 0:
-        k1 = _nope_part(cache_ptr, data, sc, valid, P0, P1, IS_FP8)
+        k1 = _decode_nope(r1, s_lo, s_hi, P0, P1, IS_FP8)
+        if SANITIZE:
+            k1, bad = _sanitize(k1, bad)
         s = _dot(q1, tl.trans(k1), s, CPU_INTERP)
     if P2 > 0:
-        k2 = _nope_part(cache_ptr, data, sc, valid, P0 + P1, P2, IS_FP8)
+        k2 = _decode_nope(r2, s_lo, s_hi, P0 + P1, P2, IS_FP8)
+        if SANITIZE:
+            k2, bad = _sanitize(k2, bad)
         s = _dot(q2, tl.trans(k2), s, CPU_INTERP)
     if TAIL > 0:
-        k3 = _tail_part(cache_ptr, data, valid, NOPE, TAIL, R, IS_FP8)
+        k3 = r3.to(tl.bfloat16)
+        if SANITIZE:
+            k3, bad = _sanitize(k3, bad)
         s = _dot(q3, tl.trans(k3), s, CPU_INTERP)
     s = tl.where(mask, s * qk_scale, float("-inf"))  # log2 units
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.full((ROWS,), 1.0, tl.float32)
     if LAZY:
         # Rescale only when some row's max grew by more than 2^8 (then every row moves to its
         # new max); otherwise keep the stale max, so p <= 2^8 (fine for bf16 p and fp32 sums).
@@ -189,40 +141,23 @@ def _attend_chunk(
         grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), axis=0)
         if grow > 8.0:
             alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_i = l_i * alpha
-            a0 = a0 * alpha[:, None]
-            a1 = a1 * alpha[:, None]
-            a2 = a2 * alpha[:, None]
-            a3 = a3 * alpha[:, None]
-            m_i = m_new
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        pb = _to_bf16(p, CPU_INTERP)
-        if P0 > 0:
-            a0 = _dot(pb, k0, a0, CPU_INTERP)
-        if P1 > 0:
-            a1 = _dot(pb, k1, a1, CPU_INTERP)
-        if P2 > 0:
-            a2 = _dot(pb, k2, a2, CPU_INTERP)
-        if TAIL > 0:
-            a3 = _dot(pb, k3, a3, CPU_INTERP)
-        m_new = m_i
+        else:
+            m_new = m_i
     else:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pb = _to_bf16(p, CPU_INTERP)
-        if P0 > 0:
-            a0 = _dot(pb, k0, a0 * alpha[:, None], CPU_INTERP)
-        if P1 > 0:
-            a1 = _dot(pb, k1, a1 * alpha[:, None], CPU_INTERP)
-        if P2 > 0:
-            a2 = _dot(pb, k2, a2 * alpha[:, None], CPU_INTERP)
-        if TAIL > 0:
-            a3 = _dot(pb, k3, a3 * alpha[:, None], CPU_INTERP)
-    return a0, a1, a2, a3, m_new, l_i
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = _to_bf16(p, CPU_INTERP)
+    if P0 > 0 and (V_MASK & 1) != 0:
+        a0 = _dot(pb, k0, a0 * alpha[:, None], CPU_INTERP)
+    if P1 > 0 and (V_MASK & 2) != 0:
+        a1 = _dot(pb, k1, a1 * alpha[:, None], CPU_INTERP)
+    if P2 > 0 and (V_MASK & 4) != 0:
+        a2 = _dot(pb, k2, a2 * alpha[:, None], CPU_INTERP)
+    if TAIL > 0 and (V_MASK & 8) != 0:
+        a3 = _dot(pb, k3, a3 * alpha[:, None], CPU_INTERP)
+    return a0, a1, a2, a3, m_new, l_i, bad
 
 
 @triton.jit
@@ -243,15 +178,16 @@ def _store_part(ptr, row_off, row_ok, x, D0: tl.constexpr, P: tl.constexpr, Z: t
 def _store_parts(ptr, off, row_ok, a0, a1, a2, a3, f,
                  NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
                  Z0: tl.constexpr, Z1: tl.constexpr, Z2: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
-                 TO_BF16: tl.constexpr, CPU_INTERP: tl.constexpr):
-    """Store the parts' accumulators times the row factor ``f`` at ``ptr + off[row] + dim``."""
-    if P0 > 0:
+                 TO_BF16: tl.constexpr, CPU_INTERP: tl.constexpr, V_MASK: tl.constexpr = 15):
+    """Store the parts' accumulators (those in ``V_MASK``) times the row factor ``f`` at
+    ``ptr + off[row] + dim``."""
+    if P0 > 0 and (V_MASK & 1) != 0:
         _store_part(ptr, off, row_ok, a0 * f[:, None], 0, P0, Z0, TO_BF16, CPU_INTERP)
-    if P1 > 0:
+    if P1 > 0 and (V_MASK & 2) != 0:
         _store_part(ptr, off, row_ok, a1 * f[:, None], P0, P1, Z1, TO_BF16, CPU_INTERP)
-    if P2 > 0:
+    if P2 > 0 and (V_MASK & 4) != 0:
         _store_part(ptr, off, row_ok, a2 * f[:, None], P0 + P1, P2, Z2, TO_BF16, CPU_INTERP)
-    if TAIL > 0:
+    if TAIL > 0 and (V_MASK & 8) != 0:
         _store_part(ptr, off, row_ok, a3 * f[:, None], NOPE, TAIL, R, TO_BF16, CPU_INTERP)
 
 
@@ -261,20 +197,23 @@ def _finish(a0, a1, a2, a3, m_i, l_i, row_ok, o_off, lse_off, max_off, part_row,
             HEAD_DIM: tl.constexpr, NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
             Z0: tl.constexpr, Z1: tl.constexpr, Z2: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
             HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-            OUT_BF16: tl.constexpr, CPU_INTERP: tl.constexpr):
+            OUT_BF16: tl.constexpr, CPU_INTERP: tl.constexpr, V_MASK: tl.constexpr = 15):
     """Normalise and write one tile of rows (a row = one (token, head); offsets are int64).
 
     Final: out (bf16 with OUT_BF16, else fp32; sink applied, 0 for empty rows), lse natural
     log (+inf when empty), max logits (optional). Partial: fp32 normalised out at ``part_row *
-    HEAD_DIM`` and base-2 lse (-inf when empty) for ``_sparse_mla_combine_kernel``.
+    HEAD_DIM`` and base-2 lse (-inf when empty) for ``_sparse_mla_combine_kernel``. Only the
+    parts in ``V_MASK`` are written; lse / max only by the program that owns part 0.
     """
+    OWNS_LSE: tl.constexpr = (V_MASK & 1) != 0
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # base 2
     if WRITE_PARTIAL:
-        tl.store(part_lse_ptr + part_row, lse2, mask=row_ok)
+        if OWNS_LSE:
+            tl.store(part_lse_ptr + part_row, lse2, mask=row_ok)
         _store_parts(part_o_ptr, part_row * HEAD_DIM, row_ok, a0, a1, a2, a3, 1.0 / l_safe,
-                     NOPE, P0, P1, P2, Z0, Z1, Z2, TAIL, R, False, CPU_INTERP)
+                     NOPE, P0, P1, P2, Z0, Z1, Z2, TAIL, R, False, CPU_INTERP, V_MASK)
     else:
         lse = tl.where(empty, float("inf"), lse2 * LN2)
         f = 1.0 / l_safe
@@ -282,38 +221,66 @@ def _finish(a0, a1, a2, a3, m_i, l_i, row_ok, o_off, lse_off, max_off, part_row,
             sink = tl.load(sink_ptrs, mask=row_ok, other=float("-inf"))
             f = f / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
         f = tl.where(empty, 0.0, f)
-        tl.store(lse_ptr + lse_off, lse, mask=row_ok)
-        if WRITE_MAX:
-            tl.store(max_ptr + max_off, m_i * LN2, mask=row_ok)
+        if OWNS_LSE:
+            tl.store(lse_ptr + lse_off, lse, mask=row_ok)
+            if WRITE_MAX:
+                tl.store(max_ptr + max_off, m_i * LN2, mask=row_ok)
         _store_parts(out_ptr, o_off, row_ok, a0, a1, a2, a3, f, NOPE, P0, P1, P2, Z0, Z1, Z2, TAIL, R,
-                     OUT_BF16, CPU_INTERP)
+                     OUT_BF16, CPU_INTERP, V_MASK)
 
 
 @triton.jit
 def _set_pass(
     t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
     cache_ptr, stride_blk, stride_entry, block_size, capacity,
-    idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, req_ptr, start_ptr, qk_scale,
+    idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr, qk_scale,
     IS_FP8: tl.constexpr, IS_RANGE: tl.constexpr, NOPE: tl.constexpr,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
+    V_MASK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Attend token ``t``'s head tile to chunks ``split, split + num_splits, ...`` of one set."""
+    """Attend token ``t``'s head tile to chunks ``split, split + num_splits, ...`` of one set.
+
+    PREFETCH software-pipelines the gather: while chunk c is decoded and multiplied, the page
+    loads of chunk c+1 (whose slots were read one iteration earlier) and the slot reads of
+    chunk c+2 are already in flight, so neither dependent latency (slot -> bytes) stalls the
+    MMAs. Chunks past the end are fully masked (no memory is touched for them)."""
     length = tl.minimum(tl.load(len_ptr + t), width)  # indices form: never past the row
     req = 0
     start = 0
     if IS_RANGE:
         req = tl.load(req_ptr + t)
-        start = tl.load(start_ptr + t)
+        start, length = _clip_range(tl.load(start_ptr + t), length, req, num_reqs, max_blocks * block_size)
     jn = tl.arange(0, BLOCK_N)
-    for c in range(split, tl.cdiv(length, BLOCK_N), num_splits):
-        blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+    if PREFETCH:
+        step = num_splits * BLOCK_N
+        blk, off, valid = _candidate_slots(t, split * BLOCK_N + jn, idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                                            max_blocks, req, start, block_size, capacity, IS_RANGE)
-        a0, a1, a2, a3, m_i, l_i = _attend_chunk(
-            q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, valid[None, :],
-            cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size, qk_scale,
-            IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
+        r0, r1, r2, r3, s_lo, s_hi = _load_raw(cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size,
+                                               IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES)
+        nblk, noff, nvalid = _candidate_slots(t, split * BLOCK_N + step + jn, idx_ptr, stride_idx, length, bt_ptr,
+                                              stride_bt, max_blocks, req, start, block_size, capacity, IS_RANGE)
+        for c in range(split, tl.cdiv(length, BLOCK_N), num_splits):
+            n0, n1, n2, n3, ns_lo, ns_hi = _load_raw(cache_ptr, nblk, noff, nvalid, stride_blk, stride_entry,
+                                                     block_size, IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES,
+                                                     SCALE_BYTES)
+            b2, o2, v2 = _candidate_slots(t, c * BLOCK_N + 2 * step + jn, idx_ptr, stride_idx, length, bt_ptr,
+                                          stride_bt, max_blocks, req, start, block_size, capacity, IS_RANGE)
+            a0, a1, a2, a3, m_i, l_i, _ = _attend_raw(
+                q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, valid[None, :], r0, r1, r2, r3, s_lo, s_hi, qk_scale,
+                IS_FP8, P0, P1, P2, TAIL, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP, V_MASK)
+            r0, r1, r2, r3, s_lo, s_hi, valid = n0, n1, n2, n3, ns_lo, ns_hi, nvalid
+            nblk, noff, nvalid = b2, o2, v2
+    else:
+        for c in range(split, tl.cdiv(length, BLOCK_N), num_splits):
+            blk, off, valid = _candidate_slots(t, c * BLOCK_N + jn, idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                                               max_blocks, req, start, block_size, capacity, IS_RANGE)
+            a0, a1, a2, a3, m_i, l_i, _ = _attend_chunk(
+                q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, valid[None, :],
+                cache_ptr, blk, off, valid, stride_blk, stride_entry, block_size, qk_scale,
+                IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP,
+                V_MASK)
     return a0, a1, a2, a3, m_i, l_i
 
 
@@ -326,9 +293,9 @@ def _sparse_mla_attn_kernel(
     part_o_ptr, part_lse_ptr,
     sink_ptr,
     a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-    a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
+    a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-    b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
+    b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
     num_heads, qk_scale, split_base, total_splits, num_splits,
     HEAD_DIM: tl.constexpr, NOPE: tl.constexpr,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, Z0: tl.constexpr, Z1: tl.constexpr, Z2: tl.constexpr,
@@ -337,6 +304,7 @@ def _sparse_mla_attn_kernel(
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr, OUT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
+    V_MASK: tl.constexpr = 15, PREFETCH: tl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, BLOCK_H), num_splits)``, head tiles fastest: the
     tiles of one token run together, so the second tile's gathers hit L2 (h = 128).
@@ -369,19 +337,21 @@ def _sparse_mla_attn_kernel(
     a0, a1, a2, a3, m_i, l_i = _set_pass(
         t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-        a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
-        qk_scale, A_FP8, A_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
+        a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+        qk_scale, A_FP8, A_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP,
+        V_MASK, PREFETCH)
     if HAS_B:
         a0, a1, a2, a3, m_i, l_i = _set_pass(
             t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
             b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-            b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
-            qk_scale, B_FP8, B_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP)
+            b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+            qk_scale, B_FP8, B_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP,
+            V_MASK, PREFETCH)
     _finish(a0, a1, a2, a3, m_i, l_i, h_ok, t64 * stride_o_t + hc * stride_o_h, t64 * stride_lse_t + hc,
             t64 * stride_max_t + hc, (t64 * total_splits + split_base + split) * num_heads + hc,
             sink_ptr + hc, out_ptr, lse_ptr, max_ptr, part_o_ptr, part_lse_ptr,
             HEAD_DIM, NOPE, P0, P1, P2, Z0, Z1, Z2, TAIL, R, HAS_SINK, WRITE_MAX, WRITE_PARTIAL, OUT_BF16,
-            CPU_INTERP)
+            CPU_INTERP, V_MASK)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dsv4attn.kernels.sparse_attn import _attend_chunk, _finish, _load_q_part
+from dsv4attn.kernels.sparse_attn_gather import _clip_range
 
 #: Larger than any entry position (int32); constexpr because compiled Triton reads only those.
 _BIG = tl.constexpr(2147483647)
@@ -24,18 +25,24 @@ _BIG = tl.constexpr(2147483647)
 def _shared_range_pass(
     q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
     cache_ptr, stride_blk, stride_entry, block_size, capacity,
-    len_ptr, bt_ptr, stride_bt, max_blocks, req_ptr, start_ptr, qk_scale,
+    len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr, qk_scale,
     IS_FP8: tl.constexpr, NOPE: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
     TAIL: tl.constexpr, R: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
-    """Attend the rows ``tok`` (one token per row) to their ranges of one range-form set."""
+    """Attend the rows ``tok`` (one token per row) to their ranges of one range-form set.
+
+    Each row's range is clipped to its block-table row (:func:`_clip_range`); entries of the
+    union that are no candidate of a row only meet it through zero probabilities on sanitized
+    values, and a row one of whose own candidates holds a non-finite value gets NaN ``l_i``
+    (out and lse NaN, as the reference gives)."""
     r_len = tl.load(len_ptr + tok, mask=row_ok, other=0)
-    r_len = tl.where(row_ok, r_len, 0)
-    r_start = tl.load(start_ptr + tok, mask=row_ok, other=0)
-    r_end = r_start + r_len
     r_req = tl.load(req_ptr + tok, mask=row_ok, other=-1)
+    r_start, r_len = _clip_range(tl.load(start_ptr + tok, mask=row_ok, other=0), tl.where(row_ok, r_len, 0), r_req,
+                                 num_reqs, max_blocks * block_size)
+    r_end = r_start + r_len
     done = (r_len <= 0).to(tl.int32)
+    row_bad = tl.zeros((ROWS,), tl.int32)
     jn = tl.arange(0, BLOCK_N)
     for i in range(BLOCK_M):
         req = tl.load(req_ptr + tl.minimum(t0 + i, num_tokens - 1))
@@ -55,12 +62,14 @@ def _shared_range_pass(
                 slot = tl.where(ok, slot, 0)
                 mask = (rows[:, None] & ok[None, :] & (e[None, :] >= r_start[:, None])
                         & (e[None, :] < r_end[:, None]))
-                a0, a1, a2, a3, m_i, l_i = _attend_chunk(
+                a0, a1, a2, a3, m_i, l_i, bad = _attend_chunk(
                     q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, mask,
                     cache_ptr, slot // block_size, slot % block_size, ok, stride_blk, stride_entry, block_size,
                     qk_scale, IS_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_N, False,
-                    CPU_INTERP)
+                    CPU_INTERP, 15, True)
+                row_bad = row_bad | tl.max((mask & (bad[None, :] != 0)).to(tl.int32), axis=1)
             done = done | rows.to(tl.int32)
+    l_i = tl.where(row_bad != 0, float("nan"), l_i)
     return a0, a1, a2, a3, m_i, l_i
 
 
@@ -72,9 +81,9 @@ def _sparse_mla_prefill_kernel(
     part_o_ptr, part_lse_ptr,
     sink_ptr,
     a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-    a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr,
+    a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-    b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr,
+    b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
     num_tokens, num_heads, qk_scale, split_base, total_splits,
     HEAD_DIM: tl.constexpr, NOPE: tl.constexpr,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, Z0: tl.constexpr, Z1: tl.constexpr, Z2: tl.constexpr,
@@ -108,13 +117,13 @@ def _sparse_mla_prefill_kernel(
     a0, a1, a2, a3, m_i, l_i = _shared_range_pass(
         q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-        a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_req_ptr, a_start_ptr, qk_scale,
+        a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, qk_scale,
         A_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_M, BLOCK_N, CPU_INTERP)
     if HAS_B:
         a0, a1, a2, a3, m_i, l_i = _shared_range_pass(
             q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i, tok, row_ok, t0, num_tokens,
             b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-            b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_req_ptr, b_start_ptr, qk_scale,
+            b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, qk_scale,
             B_FP8, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, ROWS, BLOCK_M, BLOCK_N, CPU_INTERP)
     _finish(a0, a1, a2, a3, m_i, l_i, row_ok, tok64 * stride_o_t + head * stride_o_h, tok64 * stride_lse_t + head,
             tok64 * stride_lse_t + head, (tok64 * total_splits + split_base) * num_heads + head,

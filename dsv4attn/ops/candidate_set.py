@@ -13,13 +13,16 @@ token sees, in one of two forms (the metadata contract shared with ``dsv4attn.me
   ``e = starts[t] .. starts[t] + lengths[t] - 1`` of its request's stream, stored at slot
   ``block_table[req, e // block_size] * block_size + e % block_size``. A negative block-table
   entry, or a block column beyond ``block_table.shape[1]``, makes that candidate invalid (it
-  is never dereferenced).
+  is never dereferenced). A token whose ``token_to_req`` is no row of the block table has no
+  candidates in the set. The work per token is bounded by the table: entries outside
+  ``[0, block_table.shape[1] * block_size)`` are invalid whatever ``starts``/``lengths`` say.
 
 In both forms a slot at or beyond the cache capacity (``num_blocks * block_size``) counts as
 invalid too, so a bad index can never address memory outside the cache.
 
-Caches: ``fp8_ds_mla`` uint8 views ``(num_blocks, block_size, entry_bytes)`` with a padded block
-stride (see :mod:`dsv4attn.kv_cache.layout`), or plain bf16 pages
+Caches: ``fp8_ds_mla`` uint8 views ``(num_blocks, block_size, entry_bytes)`` whose block stride is
+at least ``block_size * entry_bytes`` (the padded pages of :mod:`dsv4attn.kv_cache.layout`, or
+a contiguous layout as engines' tests allocate), or plain bf16 pages
 ``(num_blocks, block_size, head_dim)`` whose last dim is contiguous.
 """
 
@@ -30,7 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv4attn._checks import check_tensor
-from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT, FP8DSMLALayout, check_fp8_ds_mla_cache
+from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT, FP8DSMLALayout
+
+
+#: Most entries one token can see in one set (index width, or block-table columns x block
+#: size): keeps every entry position and chunk offset of the kernels inside int32.
+MAX_ENTRIES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,14 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         raise ValueError(f"{name}.cache must be on {device}, got {cache.device}")
     if cache.dtype == torch.uint8:
         lay = resolve_layout(s, head_dim, name)
-        check_fp8_ds_mla_cache(f"{name}.cache", cache, lay)
+        if cache.dim() != 3 or cache.shape[2] != lay.entry_bytes or cache.stride(2) != 1:
+            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {lay.entry_bytes}) uint8 view with "
+                             f"contiguous bytes, got shape {tuple(cache.shape)} strides {cache.stride()}")
+        # The kernels read block_size * entry_bytes bytes per block: the padded page stride of
+        # dsv4attn's allocator or a contiguous layout (engines' tests) both qualify.
+        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * lay.entry_bytes:
+            raise ValueError(f"{name}.cache block stride {cache.stride(0)} is smaller than a block's "
+                             f"{cache.shape[1] * lay.entry_bytes} bytes")
         if cache.data_ptr() % 4 or (cache.shape[0] > 1 and cache.stride(0) % 4):
             # Kernels read entries as 32-bit words; real pages are 576-byte aligned.
             raise ValueError(f"{name}.cache pages must be 4-byte aligned (data_ptr and stride(0))")
@@ -141,6 +156,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
             raise ValueError(f"{name}.indices must have {num_tokens} rows, got shape {tuple(s.indices.shape)}")
         if s.indices.shape[1] > 0 and s.indices.stride(1) != 1:
             raise ValueError(f"{name}.indices rows must be contiguous, got strides {s.indices.stride()}")
+        if s.indices.shape[1] > MAX_ENTRIES:
+            raise ValueError(f"{name}.indices width {s.indices.shape[1]} exceeds {MAX_ENTRIES} candidates per token")
     else:
         for extra in ("block_table", "token_to_req", "starts"):
             if getattr(s, extra) is None:
@@ -150,3 +167,7 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
             raise ValueError(f"{name}.block_table rows must be contiguous, got strides {s.block_table.stride()}")
         check_tensor(f"{name}.token_to_req", s.token_to_req, dtype=i32, shape=(num_tokens,), device=device)
         check_tensor(f"{name}.starts", s.starts, dtype=i32, shape=(num_tokens,), device=device)
+        span = s.block_table.shape[1] * int(cache.shape[1])
+        if span > MAX_ENTRIES:
+            raise ValueError(f"{name}.block_table spans {span} entries per request (block_table.shape[1] x "
+                             f"block_size); at most {MAX_ENTRIES} are supported")

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,31 +48,46 @@ class KernelConfig:
     num_stages: int
     #: Online-softmax rescaling only when a row max grows by > 2^8 (never with max logits).
     lazy_rescale: bool = False
+    #: Programs the 512-wide d_v is split across (1, or 2: dims [0, 256) and [256, 512) in two
+    #: launches that each compute the full QK but keep half the accumulators).
+    v_split: int = 1
+    #: Software-pipelined gather (next chunk's page loads in flight during this chunk's MMAs).
+    prefetch: bool = False
 
 
 def kernel_config(
     num_tokens: int, num_heads: int, head_dim: int, max_candidates: int, device: torch.device,
-    num_splits: int | None = None,
+    num_splits: int | None = None, deterministic: bool = False,
 ) -> KernelConfig:
     """Pick tile sizes (edit here to retune; ``benchmarks/bench_sparse_attn.py --sweep`` times
     the alternatives). All heads of a tile share one dequantisation per entry (h = 128 runs two
     64-head tiles, i.e. dequantises each entry twice); split-KV only when ``num_tokens *
     head_tiles`` cannot fill the GPU. Small head tiles run 4 warps (Triton 3.6 miscompiled the
-    16-head tile at 8 warps with 16-wide chunks)."""
+    16-head tile at 8 warps with 16-wide chunks). ``deterministic``: no split-KV unless
+    ``num_splits`` is given, so nothing depends on the batch size."""
     block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
-    # sm90 ptxas at 448 + 64 (scripts/sm90_report.py): 64-head tiles at 8 warps use 255
-    # registers with 56-64 bytes of spills at BLOCK_N 16/32 (244 at 64, more with 2 stages or 4
-    # warps); 32-head tiles at 8 warps and 16-head tiles at 4 warps do not spill.
-    block_n = 32 if head_dim > 256 else 64
+    # H200, 448 + 64 (scripts/attn_variants.py, 2026-11-30): 64-head tiles at 8 warps run
+    # 11-13% faster with 64-wide chunks than with 32 (h64 B256 217 vs 246 us); smaller tiles
+    # keep 32 (measured earlier; their 8-warp 16-wide variant miscompiled on Triton 3.6).
+    block_n = 64 if block_h == 64 or head_dim <= 256 else 32
     num_warps = 8 if block_h >= 32 and head_dim > 128 else 4
     num_stages = 1
     if num_splits is None:
         num_splits = 1
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda" and not deterministic:
+            sms = _sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
             num_splits = pick_splits(progs, sms, min(_MAX_SPLITS, max(1, math.ceil(max_candidates / block_n))))
     return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pick_splits(programs: int, slots: int, max_splits: int) -> int:
@@ -92,7 +109,8 @@ def geometry(head_dim: int, nope_dim: int | None) -> dict:
     ``[0, nope)`` cut into at most three power-of-two parts of 64..256 dims (448 = 256 + 128 +
     64), the tail ``[nope, head_dim)`` as one part padded to a power of two >= 16. ``nope_dim``
     comes from the fp8 layout; ``None`` (bf16 pages only): the largest multiple of 64.
-    Raises ``ValueError`` when the NoPE dims need more than three parts or the tail exceeds 64."""
+    Raises ``ValueError`` when the NoPE dims need more than three parts, an fp8 layout more than
+    8 scale tiles (the kernels read them as two 32-bit words), or the tail exceeds 64."""
     nope = nope_dim if nope_dim is not None else head_dim // 64 * 64
     tail = head_dim - nope
     parts, left = [], nope // 64
@@ -100,9 +118,10 @@ def geometry(head_dim: int, nope_dim: int | None) -> dict:
         p = min(4, 1 << (left.bit_length() - 1))
         parts.append(64 * p)
         left -= p
-    if len(parts) > 3 or tail > 64:
+    if len(parts) > 3 or tail > 64 or (nope_dim is not None and nope > 512):
         raise ValueError(f"head_dim {head_dim} with {nope} NoPE dims is not supported by the kernels "
-                         "(at most 3 power-of-two NoPE parts of <= 256 dims and <= 64 tail dims)")
+                         "(at most 3 power-of-two NoPE parts of <= 256 dims, <= 8 fp8 scale tiles, "
+                         "<= 64 tail dims)")
     parts += [0] * (3 - len(parts))
     return dict(
         HEAD_DIM=head_dim, NOPE=nope, P0=parts[0], P1=parts[1], P2=parts[2],
@@ -121,6 +140,7 @@ def sparse_mla_attention(
     *,
     num_splits: int | None = None,
     prefill: bool = False,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention (V == K) with an optional per-head attention sink.
 
@@ -145,8 +165,18 @@ def sparse_mla_attention(
     with <= 32 heads, range-form sets are then gathered once per block of tokens and shared
     (any token order stays correct, only slower). Results do not depend on these two knobs
     beyond fp32 rounding.
+
+    ``deterministic=True`` makes results batch-invariant: a token's output bits depend only on
+    its own query and candidates, never on which other tokens share the call. Every token is
+    then one program per head tile over all its candidates in order (no split-KV unless
+    ``num_splits`` is given, which the caller then holds fixed; no shared prefill gathers).
+    The default (False) picks the split-KV factor from the grid size, i.e. from the batch
+    size, so a token's output can change in the last fp32 bits with the batch composition
+    (always within the tolerance of the tests); it is faster for small batches (decode h64
+    B64: ~15% on the H200).
     """
-    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False, prefill=prefill)[:2]
+    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False, prefill=prefill,
+                    deterministic=deterministic)[:2]
 
 
 def _forward(
@@ -159,6 +189,7 @@ def _forward(
     num_splits: int | None,
     want_max: bool,
     prefill: bool = False,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Shared body of the op and the FlashMLA entry points; ``want_max`` also returns the max
     logit per (token, head) (-inf for empty rows)."""
@@ -189,9 +220,16 @@ def _forward(
             raise ValueError(f"out last dim must be contiguous, got strides {out.stride()}")
     if not isinstance(prefill, bool):
         raise TypeError(f"prefill must be a bool, got {prefill!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     path = resolve_impl(impl, device)
+    # What the kernels read as flat int32 / fp32 vectors must be dense (a strided view would be
+    # read as if it were not); no-ops for the usual contiguous tensors.
+    sets = [_dense(s) for s in sets]
+    if attn_sink is not None:
+        attn_sink = attn_sink.contiguous()
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
     if path == "reference":
@@ -202,8 +240,16 @@ def _forward(
     max_logits = torch.empty_like(lse) if want_max else None
     if num_tokens == 0:
         return out, lse, max_logits
-    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits, prefill=prefill)
+    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits, prefill=prefill,
+            deterministic=deterministic)
     return out, lse, max_logits
+
+
+def _dense(s: CandidateSet) -> CandidateSet:
+    """``s`` with contiguous per-token vectors (lengths, starts, token_to_req)."""
+    fields = {k: getattr(s, k).contiguous() for k in ("lengths", "starts", "token_to_req")
+              if getattr(s, k) is not None and not getattr(s, k).is_contiguous()}
+    return dataclasses.replace(s, **fields) if fields else s
 
 
 def _set_args(s: CandidateSet) -> list:
@@ -212,12 +258,12 @@ def _set_args(s: CandidateSet) -> list:
     if s.is_range:
         idx, stride_idx, width = s.lengths, 0, _INT32_MAX
         bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
-        req, start = s.token_to_req, s.starts
+        req, start, num_reqs = s.token_to_req, s.starts, s.block_table.shape[0]
     else:
         idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
-        bt, stride_bt, max_blocks, req, start = s.lengths, 0, 0, s.lengths, s.lengths
+        bt, stride_bt, max_blocks, req, start, num_reqs = s.lengths, 0, 0, s.lengths, s.lengths, 0
     return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
-            idx, stride_idx, width, s.lengths, bt, stride_bt, max_blocks, req, start]
+            idx, stride_idx, width, s.lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
 
 
 def _static_width(s: CandidateSet) -> int:
@@ -238,6 +284,7 @@ def _launch(
     num_splits: int | None,
     config: KernelConfig | None = None,
     prefill: bool = False,
+    deterministic: bool = False,
 ) -> None:
     """Run the Triton kernels: per-token (split-KV + combine when the config asks for splits),
     or for ``prefill`` with <= 32 heads the shared-range kernel for range-form sets (merged with
@@ -256,11 +303,12 @@ def _launch(
         CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
     )
     cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
-                                  num_splits)
+                                  num_splits, deterministic)
     sink = attn_sink if attn_sink is not None else lse
     range_sets = [s for s in sets if s.is_range]
     index_sets = [s for s in sets if not s.is_range]
-    shared = prefill and bool(range_sets) and num_heads <= _PREFILL_MAX_HEADS and max_logits is None
+    shared = (prefill and bool(range_sets) and num_heads <= _PREFILL_MAX_HEADS and max_logits is None
+              and not deterministic)
     if shared:
         passes = [("shared", range_sets)] + ([("per_token", index_sets)] if index_sets else [])
         total = len(passes)
@@ -282,8 +330,7 @@ def _launch(
         else:
             _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, attn_sink is not None, qk_scale,
                            split_base, total, cfg if not shared else
-                           KernelConfig(cfg.block_h, cfg.block_n, 1, cfg.num_warps, cfg.num_stages,
-                                        cfg.lazy_rescale), geo)
+                           dataclasses.replace(cfg, num_splits=1), geo)
     if total > 1:
         _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, _COMBINE_BLOCK_H))](
             part_o, part_lse, sink,
@@ -307,21 +354,25 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     b = sets[1] if len(sets) > 1 else sets[0]
     mx = max_logits if max_logits is not None else lse
     grid = (num_tokens * triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
-    _sparse_mla_attn_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0),
-        mx, mx.stride(0),
-        part_o, part_lse,
-        sink,
-        *_set_args(a), *_set_args(b),
-        num_heads, qk_scale, split_base, total, cfg.num_splits,
-        A_FP8=a.is_fp8, A_RANGE=a.is_range,
-        HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
-        HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and max_logits is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
-    )
+    # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
+    masks = (15,) if cfg.v_split == 1 or geo["P1"] == 0 else (1, 14)
+    for v_mask in masks:
+        _sparse_mla_attn_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0),
+            mx, mx.stride(0),
+            part_o, part_lse,
+            sink,
+            *_set_args(a), *_set_args(b),
+            num_heads, qk_scale, split_base, total, cfg.num_splits,
+            A_FP8=a.is_fp8, A_RANGE=a.is_range,
+            HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
+            HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and max_logits is None,
+            V_MASK=v_mask, PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
+        )
 
 
 def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
@@ -337,7 +388,7 @@ def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scal
     def args(s: CandidateSet) -> list:
         c = s.cache
         return [c, c.stride(0), c.stride(1), s.block_size, s.capacity, s.lengths, s.block_table,
-                s.block_table.stride(0), s.block_table.shape[1], s.token_to_req, s.starts]
+                s.block_table.stride(0), s.block_table.shape[1], s.block_table.shape[0], s.token_to_req, s.starts]
 
     a = sets[0]
     b = sets[1] if len(sets) > 1 else sets[0]

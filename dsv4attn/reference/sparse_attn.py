@@ -32,17 +32,24 @@ def candidate_slots(s: CandidateSet, rows: slice) -> tuple[torch.Tensor, torch.T
         valid = (j[None, :] < lengths[:, None]) & (idx >= 0)
         slot = idx
     else:
+        # Entries outside the block table ([0, max_blocks * block_size)) and tokens whose
+        # token_to_req is no block-table row have no candidates: clip each range to the table
+        # (bounded work, whatever the lengths) and empty the others.
+        max_blocks, num_reqs = s.block_table.shape[1], s.block_table.shape[0]
+        req = s.token_to_req[rows].long()
+        lo = s.starts[rows].long().clamp(min=0)
+        hi = torch.minimum(s.starts[rows].long() + lengths, torch.full_like(lo, max_blocks * s.block_size))
+        lengths = torch.where((req >= 0) & (req < num_reqs), (hi - lo).clamp(min=0), torch.zeros_like(lo))
         width = int(lengths.max().item()) if n else 0
         j = torch.arange(width, device=lengths.device)
-        e = s.starts[rows].long()[:, None] + j[None, :]
+        e = lo[:, None] + j[None, :]
         valid = j[None, :] < lengths[:, None]
         col = torch.div(e, s.block_size, rounding_mode="floor")
-        max_blocks = s.block_table.shape[1]
-        valid = valid & (col >= 0) & (col < max_blocks)
-        if max_blocks == 0 or s.block_table.shape[0] == 0:
+        if max_blocks == 0 or num_reqs == 0:
             return torch.zeros_like(e), torch.zeros_like(valid)
-        req = s.token_to_req[rows].long()[:, None].expand_as(e)
+        req = req[:, None].expand_as(e)
         blk = s.block_table[torch.where(valid, req, 0), torch.where(valid, col, 0)].long()
+        valid = valid & (col >= 0) & (col < max_blocks)
         valid = valid & (blk >= 0)
         slot = blk * s.block_size + torch.remainder(e, s.block_size)
     valid = valid & (slot < s.capacity)
@@ -57,7 +64,8 @@ def gather_entries(s: CandidateSet, slot: torch.Tensor, layout: FP8DSMLALayout |
     if layout is None:  # bf16 pages
         return cache[blk, off].float()
     # Byte addresses from the block base (the view's middle/last dims are cosmetic).
-    base = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,), cache.storage_offset())
+    span = (cache.shape[0] - 1) * cache.stride(0) + bs * layout.entry_bytes  # last block: its bytes only
+    base = cache.as_strided((span,), (1,), cache.storage_offset())
     blk_base = blk * cache.stride(0)
     data_off = blk_base + off * layout.data_bytes
     d = torch.arange(layout.data_bytes, device=slot.device)

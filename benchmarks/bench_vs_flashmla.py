@@ -1,0 +1,266 @@
+"""dsv4attn against FlashMLA, side by side in one process on the same inputs (issue 9's table).
+
+Decode rows: B requests of one query token, h heads; 512 compressed candidates (indices form,
+disjoint per token, block size 64) + 128 SWA candidates in a second cache (FlashMLA's
+``extra_k_cache``), attention sink. Both caches are written once by
+``dsv4attn.quantize_fp8_ds_mla`` and handed to FlashMLA as ``torch.float8_e4m3fn`` views of
+the same bytes; dsv4attn runs through its FlashMLA-compatible ``flash_mla_with_kvcache`` with
+the same arguments. Prefill rows: 4096 query tokens over a bf16 kv of 16384 rows, top-k 512 or
+2048 random rows per token, sink, through both libraries' ``flash_mla_sparse_fwd``; an extra
+dsv4attn row per case reads the same kv as fp8_ds_mla pages directly (no bf16 staging).
+
+Times are medians of ``triton.testing.do_bench`` (eager launches, as an engine without CUDA
+graphs sees them) and, with ``--graphs``, of CUDA-graph replays. Agreement: bf16 out within
+2e-3 abs and lse within 1e-3 of FlashMLA, checked on every row before timing.
+
+    python -m benchmarks.bench_vs_flashmla --flashmla-path /tmp/flashmla_build
+    python -m benchmarks.bench_vs_flashmla --smoke      # CPU: tiny sizes, dsv4attn only
+
+Without ``flash_mla`` importable it prints dsv4attn's times and says FlashMLA was not found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+import dsv4attn
+from benchmarks.common import Ceilings, median_us
+from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
+from dsv4attn.ops.candidate_set import CandidateSet
+
+D = LAYOUT.head_dim  # 512
+SCALE = D**-0.5
+BLOCK = 64
+OUT_TOL = 2e-3
+LSE_TOL = 1e-3
+
+
+@dataclass
+class Result:
+    case: str
+    flashmla_us: float | None
+    dsv4attn_us: float
+    floor_us: float
+    max_out_diff: float | None = None
+    max_lse_diff: float | None = None
+    flashmla_graph_us: float | None = None
+    dsv4attn_graph_us: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.dsv4attn_us / self.flashmla_us if self.flashmla_us else None
+
+
+def load_flashmla(path: str | None):
+    if path:
+        sys.path.insert(0, path)
+    try:
+        import flash_mla  # noqa: F401
+
+        return flash_mla
+    except Exception as e:  # noqa: BLE001 - report why, then run dsv4attn alone
+        print(f"FlashMLA not found ({type(e).__name__}: {e}); printing dsv4attn's times only", flush=True)
+        return None
+
+
+def fp8_cache(num_entries: int, device, gen) -> torch.Tensor:
+    """``(blocks, BLOCK, 584)`` uint8 fp8_ds_mla view written by dsv4attn from random bf16 rows."""
+    blocks = -(-num_entries // BLOCK)
+    x = torch.randn(blocks, BLOCK, D, device=device, generator=gen).to(torch.bfloat16)
+    return dsv4attn.quantize_fp8_ds_mla(x)
+
+
+def disjoint_slots(num_tokens: int, k: int, capacity: int, device, gen) -> torch.Tensor:
+    return torch.randperm(capacity, device=device, generator=gen)[: num_tokens * k].to(torch.int32).view(
+        num_tokens, 1, k)
+
+
+def graph_us(fn) -> float:
+    """Median replay time of ``fn`` captured in a CUDA graph (10 calls per replay)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    return median_us(g.replay) / 10
+
+
+def compare(name: str, ref, got, lse_ref, lse_got) -> tuple[float, float]:
+    d_out = (ref.float() - got.float()).abs().max().item()
+    fin = torch.isfinite(lse_ref)
+    d_lse = (lse_ref[fin] - lse_got[fin]).abs().max().item() if fin.any() else 0.0
+    same_inf = torch.equal(torch.isfinite(lse_ref), torch.isfinite(lse_got))
+    ok = d_out <= OUT_TOL and d_lse <= LSE_TOL and same_inf
+    print(f"  {name}: max|d out| {d_out:.2e}  max|d lse| {d_lse:.2e}  {'agree' if ok else 'DISAGREE'}", flush=True)
+    if not ok:
+        raise SystemExit(f"{name}: dsv4attn and FlashMLA disagree beyond out {OUT_TOL} / lse {LSE_TOL}")
+    return d_out, d_lse
+
+
+def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool,
+                gen) -> list[Result]:
+    name = f"decode h{h} B{b}"
+    main = fp8_cache(b * topk, device, gen)
+    extra = fp8_cache(b * swa, device, gen)
+    idx = disjoint_slots(b, topk, main.shape[0] * BLOCK, device, gen)
+    eidx = disjoint_slots(b, swa, extra.shape[0] * BLOCK, device, gen)
+    q = (torch.randn(b, 1, h, D, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, device=device, generator=gen)
+    ours_meta, _ = dsv4attn.get_mla_metadata()
+    args = dict(softmax_scale=SCALE, is_fp8_kvcache=True, indices=idx, attn_sink=sink,
+                extra_indices_in_kvcache=eidx)
+
+    def ours():
+        return dsv4attn.flash_mla_with_kvcache(q, main.unsqueeze(-2), None, None, D, ours_meta,
+                                               extra_k_cache=extra.unsqueeze(-2), **args)
+
+    n = topk + swa
+    bytes_ = b * (n * LAYOUT.entry_bytes + n * 4 + 2 * h * D * 2 + h * 4)
+    floor = max(bytes_ / ceil.copy_bytes_per_s, 2.0 * h * n * 2 * D * b / ceil.mma_flops) * 1e6
+    o_ours, l_ours = ours()
+    res = Result(name, None, median_us(ours), floor)
+    if graphs:
+        res.dsv4attn_graph_us = graph_us(ours)
+    # The batch-invariant mode through the op (same bytes, both sets in indices form).
+    i32 = dict(dtype=torch.int32, device=device)
+    sets = [CandidateSet(cache=c, lengths=torch.full((b,), i.shape[-1], **i32), indices=i[:, 0, :].contiguous())
+            for c, i in ((main, idx), (extra, eidx))]
+    q3 = q[:, 0]
+
+    def ours_det():
+        return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
+
+    det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
+    if graphs:
+        det.dsv4attn_graph_us = graph_us(ours_det)
+    if fm is not None:
+        fm_meta, _ = fm.get_mla_metadata()
+        f8 = torch.float8_e4m3fn
+
+        def theirs():
+            return fm.flash_mla_with_kvcache(q, main.unsqueeze(-2).view(f8), None, None, D, fm_meta,
+                                             extra_k_cache=extra.unsqueeze(-2).view(f8), **args)
+
+        o_fm, l_fm = theirs()
+        res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
+        compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
+        res.flashmla_us = det.flashmla_us = median_us(theirs)
+        if graphs:
+            res.flashmla_graph_us = det.flashmla_graph_us = graph_us(theirs)
+    return [res, det]
+
+
+def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, graphs: bool,
+                 gen) -> list[Result]:
+    name = f"prefill h{h} top-k {topk}"
+    kv = (torch.randn(s_kv, 1, D, device=device, generator=gen)).to(torch.bfloat16)
+    idx = torch.rand(s_q, s_kv, device=device, generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)[:, None, :]
+    q = (torch.randn(s_q, h, D, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, device=device, generator=gen)
+    flops = 2.0 * h * topk * 2 * D * s_q
+    bytes_ = s_kv * D * 2 + s_q * (topk * 4 + 2 * h * D * 2 + h * 8)
+    floor = max(bytes_ / ceil.copy_bytes_per_s, flops / ceil.mma_flops) * 1e6
+
+    def ours():
+        return dsv4attn.flash_mla_sparse_fwd(q, kv, idx, SCALE, D, attn_sink=sink)
+
+    o_ours, _, l_ours = ours()
+    res = Result(name, None, median_us(ours), floor)
+    if graphs:
+        res.dsv4attn_graph_us = graph_us(ours)
+    # The same rows as fp8_ds_mla pages, read directly by dsv4attn (no bf16 staging copy).
+    cache = dsv4attn.quantize_fp8_ds_mla(kv.view(-1, BLOCK, D))
+    cset = CandidateSet(cache=cache, lengths=torch.full((s_q,), topk, dtype=torch.int32, device=device),
+                        indices=idx[:, 0, :].contiguous())
+
+    def ours_fp8():
+        return dsv4attn.sparse_mla_attention(q, [cset], SCALE, sink)
+
+    fp8 = Result(name + " (dsv4attn fp8 pages)", None, median_us(ours_fp8), floor)
+    if fm is not None:
+        def theirs():
+            return fm.flash_mla_sparse_fwd(q, kv, idx, SCALE, D, attn_sink=sink)
+
+        o_fm, _, l_fm = theirs()
+        res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
+        res.flashmla_us = median_us(theirs)
+        fp8.flashmla_us = res.flashmla_us
+        if graphs:
+            res.flashmla_graph_us = graph_us(theirs)
+    return [res, fp8]
+
+
+def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n## dsv4attn vs FlashMLA [{gpu}; copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
+          f"bf16 mma {ceil.mma_flops / 1e12:.0f} TFLOP/s]" + ("" if have_fm else " -- FlashMLA not found"))
+    graphs = any(r.dsv4attn_graph_us for r in results)
+    head = ["case", "FlashMLA us", "dsv4attn us", "dsv4attn / FlashMLA", "floor us", "FlashMLA % floor",
+            "dsv4attn % floor"]
+    if graphs:
+        head += ["FlashMLA graph us", "dsv4attn graph us", "graph ratio"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    for r in results:
+        cells = [r.case, f(r.flashmla_us), f(r.dsv4attn_us), "-" if r.ratio is None else f"{r.ratio:.2f}x",
+                 f(r.floor_us), "-" if not r.flashmla_us else f"{100 * r.floor_us / r.flashmla_us:.0f}%",
+                 f"{100 * r.floor_us / r.dsv4attn_us:.0f}%"]
+        if graphs:
+            gr = (r.dsv4attn_graph_us / r.flashmla_graph_us) if r.flashmla_graph_us and r.dsv4attn_graph_us else None
+            cells += [f(r.flashmla_graph_us), f(r.dsv4attn_graph_us), "-" if gr is None else f"{gr:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flashmla-path", default=None, help="folder holding the built flash_mla package")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference path), dsv4attn only")
+    p.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
+    p.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    fm = load_flashmla(args.flashmla_path) if cuda else None
+    ceil = Ceilings.measure() if cuda else Ceilings()
+    gen = torch.Generator(device=device).manual_seed(0)
+    graphs = args.graphs and cuda
+    only = [s for s in args.only.split(",") if s]
+    want = lambda name: not only or any(s in name for s in only)  # noqa: E731
+    results: list[Result] = []
+    if args.smoke:
+        dec, pre = [(4, 2)], [(4, 16, 8, 128)]
+        topk, swa = 64, 16
+    else:
+        dec = [(h, b) for h in (64, 128) for b in (64, 256, 1024)]
+        pre = [(h, k, 4096, 16384) for h in (64, 128) for k in (512, 2048)]
+        topk, swa = 512, 128
+    for h, b in dec:
+        if want(f"decode h{h} B{b}"):
+            results += decode_case(fm, b, h, topk, swa, ceil, device, graphs, gen)
+            print(f"  {results[-2]}\n  {results[-1]}", flush=True)
+    for h, k, s_q, s_kv in pre:
+        if want(f"prefill h{h} top-k {k}"):
+            results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, graphs, gen)
+            print(f"  {results[-2]}\n  {results[-1]}", flush=True)
+    print_results(results, ceil, fm is not None)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([dict(asdict(r), ratio=r.ratio) for r in results], fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

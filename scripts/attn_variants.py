@@ -1,0 +1,110 @@
+"""Time decode-kernel variants of the sparse attention on the GPU (one line per variant).
+
+Cases as in ``benchmarks/bench_vs_flashmla.py`` (fp8_ds_mla pages written by dsv4attn, 512
+disjoint top-k + 128 SWA candidates per token, both indices form, sink); the variants are
+:class:`dsv4attn.ops.sparse_attn.KernelConfig` values launched through ``_launch``. Also prints
+the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
+
+    python3 scripts/attn_variants.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import dsv4attn  # noqa: E402
+from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache  # noqa: E402
+from benchmarks.common import median_us  # noqa: E402
+from dsv4attn.ops.candidate_set import CandidateSet  # noqa: E402
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config  # noqa: E402
+
+#: (label, block_h, block_n, warps, stages, v_split, prefetch, lazy)
+VARIANTS = [
+    ("base 64/32/w8", 64, 32, 8, 1, 1, False, False),
+    ("64/64/w8", 64, 64, 8, 1, 1, False, False),
+    ("prefetch", 64, 32, 8, 1, 1, True, False),
+    ("vsplit2", 64, 32, 8, 1, 2, False, False),
+    ("vsplit2 prefetch", 64, 32, 8, 1, 2, True, False),
+    ("vsplit2 64/64", 64, 64, 8, 1, 2, False, False),
+    ("vsplit2 stages2", 64, 32, 8, 2, 2, False, False),
+    ("vsplit2 prefetch lazy", 64, 32, 8, 1, 2, True, True),
+    ("base lazy", 64, 32, 8, 1, 1, False, True),
+    ("vsplit2 64/16", 64, 16, 8, 1, 2, False, False),
+]
+
+
+def sets_for(b: int, gen) -> list[CandidateSet]:
+    out = []
+    for k in (512, 128):
+        cache = fp8_cache(b * k, "cuda", gen)
+        idx = disjoint_slots(b, k, cache.shape[0] * BLOCK, "cuda", gen)[:, 0, :].contiguous()
+        out.append(CandidateSet(cache=cache, lengths=torch.full((b,), k, dtype=torch.int32, device="cuda"),
+                                indices=idx))
+    return out
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for h, b in ((64, 256), (128, 256), (64, 64), (64, 1024)):
+        q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        sets = sets_for(b, gen)
+        sink = torch.randn(h, device="cuda", generator=gen)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, device="cuda")
+        ref_o, ref_l = dsv4attn.sparse_mla_attention(q, sets, SCALE, sink)
+        base = kernel_config(b, h, D, 640, q.device)
+        print(f"decode h{h} B{b} (default {base})", flush=True)
+        for label, bh, bn, w, st, vs, pf, lazy in VARIANTS:
+            for splits in sorted({base.num_splits, 1}):
+                cfg = KernelConfig(bh, bn, splits, w, st, lazy, v_split=vs, prefetch=pf)
+                try:
+                    _launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+                    d_o = (out.float() - ref_o.float()).abs().max().item()
+                    d_l = (lse - ref_l).abs().max().item()
+                    us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
+                                   warmup_ms=5, rep_ms=30)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                print(f"  {label:24s} splits {splits}: {us:8.1f} us   |d out| {d_o:.1e} |d lse| {d_l:.1e}",
+                      flush=True)
+    # Host cost of one eager compat call (what eager timing adds when the GPU is idle-waiting).
+    b, h = 64, 64
+    q = (torch.randn(b, 1, h, D, device="cuda", generator=gen)).to(torch.bfloat16)
+    sets = sets_for(b, gen)
+    meta, _ = dsv4attn.get_mla_metadata()
+
+    def call():
+        return dsv4attn.flash_mla_with_kvcache(
+            q, sets[0].cache.unsqueeze(-2), None, None, D, meta, softmax_scale=SCALE, is_fp8_kvcache=True,
+            indices=sets[0].indices[:, None], extra_k_cache=sets[1].cache.unsqueeze(-2),
+            extra_indices_in_kvcache=sets[1].indices[:, None], attn_sink=torch.zeros(h, device="cuda"))
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    print(f"host time per eager compat call (h64 B64): {(t1 - t0) / 50 * 1e6:.1f} us", flush=True)
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        call()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One GPU call of the attention work (issue 9): get FlashMLA, then run the steps named.
+#
+#   bash scripts/gpu_vs_flashmla.sh FLASHMLA_SRC SAVED STEP...
+#
+# FLASHMLA_SRC: the FlashMLA bundle (with build.sh), used when SAVED holds no earlier build.
+# SAVED: a folder with flash_mla.tgz.part* from an earlier call (the built package, split to fit
+#   the device tool's 16 MiB per file); unpacked into /tmp/fm. Without it, FlashMLA is built in the
+#   background (MAX_JOBS=16) while the steps that need no FlashMLA run, and the built package
+#   is split into $OUT/flash_mla.tgz.part* for later calls.
+# Steps: tests | sweep (scripts/attn_variants.py) | report | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+SRC="$1"; SAVED="$2"; shift 2
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+FM=/tmp/fm
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/smi.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/smi.txt"
+building=0
+if ls "$SAVED"/flash_mla.tgz.part* >/dev/null 2>&1; then
+  mkdir -p $FM && cat "$SAVED"/flash_mla.tgz.part* | tar xz -C $FM && echo "FlashMLA from $SAVED" | tee -a "$OUT/smi.txt"
+else
+  MAX_JOBS=16 FLASHMLA_BUILD_DIR=/tmp/flashmla_build BG=1 bash "$SRC/build.sh"
+  building=1
+fi
+wait_build() {
+  if [[ $building == 1 ]]; then
+    while [[ ! -f /tmp/flashmla_build.done && ! -f /tmp/flashmla_build.failed ]]; do sleep 5; done
+    tail -n 5 /tmp/flashmla_build.log > "$OUT/build_tail.txt"
+    if [[ -f /tmp/flashmla_build.done ]]; then
+      (cd /tmp/flashmla_build && tar czf /tmp/fm.tgz flash_mla/*.py flash_mla/*.so)
+      mkdir -p $FM && tar xzf /tmp/fm.tgz -C $FM
+      split -b 15m /tmp/fm.tgz "$OUT/flash_mla.tgz.part"
+    else
+      cp /tmp/flashmla_build.log "$OUT/build_log.txt"
+    fi
+    building=0
+  fi
+}
+for step in "$@"; do
+  case $step in
+    tests) xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
+           timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
+             tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
+    sweep) timeout 300 python3 scripts/attn_variants.py > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
+    report) python3 scripts/sm90_report.py --quick > "$OUT/report.txt" 2>&1 ;;
+    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
+          --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+wait_build
