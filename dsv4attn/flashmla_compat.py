@@ -29,7 +29,7 @@ import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import _forward
+from dsv4attn.ops.sparse_attn import kernel_config, sparse_mla_forward
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _paged_set(name: str, cache: torch.Tensor, indices: torch.Tensor | None, len
     topk = indices.shape[2]
     lens_name = "topk_length" if name == "k_cache" else "extra_topk_length"
     lengths = _lengths(lens_name, lengths_arg, batch, s_q, topk, device)
-    return CandidateSet(cache=cache[:, :, 0, :], lengths=lengths, indices=indices.reshape(batch * s_q, topk))
+    return CandidateSet(cache=cache.select(2, 0), lengths=lengths, indices=indices.reshape(batch * s_q, topk))
 
 
 def flash_mla_with_kvcache(
@@ -144,17 +144,16 @@ def flash_mla_with_kvcache(
                          "use one get_mla_metadata() object per shape")
     dst = _out_view("out", out, (batch, s_q, num_heads, head_dim_v), head_dim, device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    res, lse, _ = _forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
-                           None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl, None,
-                           want_max=False)
+    res, lse, _ = sparse_mla_forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
+                                     None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl)
     if not meta.have_initialized:  # bound only once a call has passed validation
-        from dsv4attn.ops.sparse_attn import kernel_config
-
         widths = sum(s.indices.shape[1] for s in sets)
         k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
         meta.have_initialized, meta.config = True, config
         meta.num_splits = torch.tensor([k], dtype=torch.int32)
-    res = res.view(batch, s_q, num_heads, head_dim)[..., :head_dim_v]
+    res = res.view(batch, s_q, num_heads, head_dim)
+    if head_dim_v != head_dim:
+        res = res[..., :head_dim_v]
     if out is not None and dst is None:
         out.copy_(res)
         res = out
@@ -224,8 +223,9 @@ def flash_mla_sparse_fwd(
     # kv as bf16 pages of one entry each: slot = row, capacity = s_kv (>= s_kv is invalid).
     dst = _out_view("out", out, (s_q, num_heads, d_v), d_qk, q.device)
     cset = CandidateSet(cache=kv, lengths=lengths, indices=indices[:, 0, :])
-    res, lse, max_logits = _forward(q, [cset], float(sm_scale), attn_sink, dst, impl, 1, want_max=True)
-    res = res[..., :d_v]
+    res, lse, max_logits = sparse_mla_forward(q, [cset], float(sm_scale), attn_sink, dst, impl, want_max=True)
+    if d_v != d_qk:
+        res = res[..., :d_v]
     if out is not None and dst is None:
         out.copy_(res)
         res = out

@@ -28,6 +28,7 @@ a contiguous layout as engines' tests allocate), or plain bf16 pages
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +99,20 @@ def resolve_layout(s: CandidateSet, head_dim: int, name: str) -> FP8DSMLALayout 
     """Layout of an fp8 set (``None`` for bf16 pages); checks it against ``head_dim``."""
     if not s.is_fp8:
         return None
-    lay = s.layout
+    return layout_for(s.layout, head_dim, int(s.cache.shape[2]), name)
+
+
+@functools.lru_cache(maxsize=512)
+def layout_for(layout: FP8DSMLALayout | None, head_dim: int, entry_bytes: int, name: str) -> FP8DSMLALayout:
+    """The fp8 layout of a set: ``layout`` if given, else the one inferred from ``head_dim`` and
+    ``entry_bytes``; ``ValueError`` naming ``name`` when it does not match ``head_dim``.
+    A pure function, cached (LRU) because every attention call asks it; errors are not cached."""
+    lay = layout
     if lay is None:
-        if head_dim == PRODUCTION_LAYOUT.head_dim and s.cache.shape[2] == PRODUCTION_LAYOUT.entry_bytes:
+        if head_dim == PRODUCTION_LAYOUT.head_dim and entry_bytes == PRODUCTION_LAYOUT.entry_bytes:
             lay = PRODUCTION_LAYOUT
         else:
-            lay = infer_layout(head_dim, int(s.cache.shape[2]))
+            lay = infer_layout(head_dim, entry_bytes)
     if lay.head_dim != head_dim:
         raise ValueError(f"{name}.layout head_dim {lay.head_dim} does not match q head_dim {head_dim}")
     return lay
@@ -119,21 +128,24 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
     if cache.device != device:
         raise ValueError(f"{name}.cache must be on {device}, got {cache.device}")
     if cache.dtype == torch.uint8:
-        lay = resolve_layout(s, head_dim, name)
-        if cache.dim() != 3 or cache.shape[2] != lay.entry_bytes or cache.stride(2) != 1:
-            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {lay.entry_bytes}) uint8 view with "
+        if cache.dim() != 3:
+            raise ValueError(f"{name}.cache must be a 3-D (num_blocks, block_size, entry_bytes) uint8 view, "
+                             f"got shape {tuple(cache.shape)}")
+        entry_bytes = resolve_layout(s, head_dim, name).entry_bytes
+        if cache.shape[2] != entry_bytes or cache.stride(2) != 1:
+            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {entry_bytes}) uint8 view with "
                              f"contiguous bytes, got shape {tuple(cache.shape)} strides {cache.stride()}")
         # The kernels read block_size * entry_bytes bytes per block: the padded page stride of
         # dsv4attn's allocator or a contiguous layout (engines' tests) both qualify.
-        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * lay.entry_bytes:
+        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * entry_bytes:
             raise ValueError(f"{name}.cache block stride {cache.stride(0)} is smaller than a block's "
-                             f"{cache.shape[1] * lay.entry_bytes} bytes")
+                             f"{cache.shape[1] * entry_bytes} bytes")
         if cache.data_ptr() % 4 or (cache.shape[0] > 1 and cache.stride(0) % 4):
             # Kernels read entries as 32-bit words; real pages are 576-byte aligned.
             raise ValueError(f"{name}.cache pages must be 4-byte aligned (data_ptr and stride(0))")
-        if cache.shape[1] > 1 and cache.stride(1) != lay.entry_bytes:
+        if cache.shape[1] > 1 and cache.stride(1) != entry_bytes:
             # The view's middle dim is cosmetic, but a reshape would break the byte layout.
-            raise ValueError(f"{name}.cache stride(1) must be {lay.entry_bytes}, got {cache.stride(1)}")
+            raise ValueError(f"{name}.cache stride(1) must be {entry_bytes}, got {cache.stride(1)}")
     elif cache.dtype in (torch.bfloat16, torch.float32):
         # "auto" pages hold the model dtype: bf16 in serving, fp32 for exact-parity runs.
         check_tensor(f"{name}.cache", cache, ndim=3)
