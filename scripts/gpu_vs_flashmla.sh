@@ -42,8 +42,8 @@ for step in "$@"; do
     tests) xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
            timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
              tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
-    sweep) timeout 300 python3 scripts/attn_variants.py > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
-    report) python3 scripts/sm90_report.py --quick > "$OUT/report.txt" 2>&1 ;;
+    sweep) timeout 300 python3 -m scripts.attn_variants > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
+    report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
     *) echo "unknown step $step" ;;

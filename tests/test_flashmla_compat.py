@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_attn_helpers import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, oracle
 
 from dsv4attn.flashmla_compat import (
     FlashMLASchedMeta,
@@ -13,6 +12,7 @@ from dsv4attn.flashmla_compat import (
     flash_mla_with_kvcache,
     get_mla_metadata,
 )
+from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, oracle
 
 
 def test_get_mla_metadata_is_a_placeholder():
