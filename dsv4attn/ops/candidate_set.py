@@ -127,6 +127,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         raise TypeError(f"{name}.cache must be a torch.Tensor, got {type(cache).__name__}")
     if cache.device != device:
         raise ValueError(f"{name}.cache must be on {device}, got {cache.device}")
+    if s.layout is not None and not isinstance(s.layout, FP8DSMLALayout):
+        raise TypeError(f"{name}.layout must be an FP8DSMLALayout or None, got {type(s.layout).__name__}")
     if cache.dtype == torch.uint8:
         if cache.dim() != 3:
             raise ValueError(f"{name}.cache must be a 3-D (num_blocks, block_size, entry_bytes) uint8 view, "
@@ -177,6 +179,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         check_tensor(f"{name}.block_table", s.block_table, dtype=i32, ndim=2, device=device)
         if s.block_table.shape[1] > 0 and s.block_table.stride(1) != 1:
             raise ValueError(f"{name}.block_table rows must be contiguous, got strides {s.block_table.stride()}")
+        # token_to_req values are not range-checked (that would need a host sync per layer): a
+        # value that is no block-table row means "no candidates" in the kernels and the reference.
         check_tensor(f"{name}.token_to_req", s.token_to_req, dtype=i32, shape=(num_tokens,), device=device)
         check_tensor(f"{name}.starts", s.starts, dtype=i32, shape=(num_tokens,), device=device)
         span = s.block_table.shape[1] * int(cache.shape[1])
