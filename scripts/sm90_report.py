@@ -88,7 +88,7 @@ def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool 
                       v_mask: int = 15, prefetch: bool = False) -> dict:
     return dict(geo(), OUT_BF16=out_bf16, A_FP8=True, A_RANGE=False, HAS_B=True, B_FP8=True, B_RANGE=True,
                 HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n, LAZY=lazy,
-                V_MASK=v_mask, PREFETCH=prefetch)
+                V_MASK=v_mask, PREFETCH=prefetch, A_LEN=True, B_LEN=True)
 
 
 def main() -> None:

@@ -132,3 +132,29 @@ def test_with_kvcache_other_shape_through_a_new_metadata_object(device):
         if meta is not meta1:
             with pytest.raises(ValueError, match="tile_scheduler_metadata"):
                 flash_mla_with_kvcache(q.to(device), *args, meta1, **kw)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_indices_form_without_lengths_means_whole_rows(impl, device):
+    """``lengths=None`` (what the FlashMLA entries pass without ``topk_length``, so no vector
+    is allocated per call) equals lengths of the full width: holes, slots past the capacity and
+    a second set with lengths all still behave; the range form still needs lengths."""
+    gen = torch.Generator().manual_seed(10)
+    num_tokens, num_heads = 3, 4
+    a = build_set(SetSpec("indices", True, 16, 20), num_tokens, [0] * num_tokens, SMALL_LAYOUT, gen, device,
+                  lengths=[20] * num_tokens)
+    idx = a.cset.indices.clone()
+    idx[1, 3] = a.cset.capacity + 5  # beyond the cache: invalid, never read
+    a.slots[1] = [x for x in a.slots[1] if x != int(a.cset.indices[1, 3])]
+    whole = CandidateSet(cache=a.cset.cache, lengths=None, indices=idx, layout=SMALL_LAYOUT)
+    b = build_set(SetSpec("indices", False, 8, 9), num_tokens, [0] * num_tokens, SMALL_LAYOUT, gen, device)
+    q = torch.randn(num_tokens, num_heads, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16)
+    for sets, built in (([whole], [a]), ([whole, b.cset], [a, b]), ([b.cset, whole], [b, a])):
+        out, lse = sa.sparse_mla_attention(q.to(device), sets, 0.125, impl=impl)
+        assert_matches(out, lse, oracle(q, built, 0.125, None), oracle(q, built, 0.125, None, True),
+                       f"{len(sets)} sets")
+    rng = build_set(SetSpec("range", True, 16, 9), num_tokens, [0] * num_tokens, SMALL_LAYOUT, gen, device)
+    with pytest.raises(TypeError, match="sets\\[0\\].lengths must be a torch.Tensor"):
+        sa.sparse_mla_attention(q.to(device), [CandidateSet(
+            cache=rng.cset.cache, lengths=None, block_table=rng.cset.block_table, token_to_req=rng.cset.token_to_req,
+            starts=rng.cset.starts, layout=SMALL_LAYOUT)], 0.125, impl=impl)

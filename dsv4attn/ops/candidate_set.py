@@ -7,7 +7,7 @@ token sees, in one of two forms (the metadata contract shared with ``dsv4attn.me
   (``slot = block_id * block_size + offset``; -1 = hole) and ``lengths [num_tokens]`` int32.
   Candidate ``j`` of token ``t`` is valid iff ``j < lengths[t]`` and ``indices[t, j] >= 0``;
   entries at or beyond ``lengths[t]`` are never read (a length beyond ``width`` means the
-  whole row).
+  whole row; ``lengths=None`` means whole rows for every token, with no vector to allocate).
 * **range form**: ``block_table [num_reqs, max_blocks]``, ``token_to_req [num_tokens]``,
   ``starts [num_tokens]``, ``lengths [num_tokens]`` (all int32). Token ``t`` sees entries
   ``e = starts[t] .. starts[t] + lengths[t] - 1`` of its request's stream, stored at slot
@@ -46,7 +46,8 @@ MAX_ENTRIES = 1 << 30
 class CandidateSet:
     """One cache plus the per-token candidate description (indices form or range form).
 
-    Fields: ``cache`` (fp8_ds_mla uint8 view or bf16 pages), ``lengths [num_tokens]`` int32,
+    Fields: ``cache`` (fp8_ds_mla uint8 view or bf16 pages), ``lengths [num_tokens]`` int32
+    (indices form only: ``None`` = every row whole),
     and either ``indices [num_tokens, width]`` int32 (indices form) or ``block_table
     [num_reqs, max_blocks]`` + ``token_to_req [num_tokens]`` + ``starts [num_tokens]`` int32
     (range form). ``layout`` gives the NoPE/RoPE split of an fp8 cache; ``None`` infers it
@@ -54,7 +55,7 @@ class CandidateSet:
     """
 
     cache: torch.Tensor
-    lengths: torch.Tensor
+    lengths: torch.Tensor | None
     indices: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     token_to_req: torch.Tensor | None = None
@@ -160,7 +161,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
     if cache.shape[0] < 1 or cache.shape[1] < 1:
         raise ValueError(f"{name}.cache must hold at least one entry, got shape {tuple(cache.shape)}")
     i32 = torch.int32
-    check_tensor(f"{name}.lengths", s.lengths, dtype=i32, shape=(num_tokens,), device=device)
+    if s.lengths is not None or s.indices is None:  # None: indices form with whole rows
+        check_tensor(f"{name}.lengths", s.lengths, dtype=i32, shape=(num_tokens,), device=device)
     if s.indices is not None:
         for extra in ("block_table", "token_to_req", "starts"):
             if getattr(s, extra) is not None:

@@ -308,13 +308,13 @@ _cached_config = functools.lru_cache(maxsize=_CACHE_SIZE)(lambda *a: kernel_conf
 def _decode_constexprs(cfg: KernelConfig, geo_key: tuple, flags: tuple, v_mask: int) -> dict:
     """Keyword arguments (constexprs, warps) of one decode launch; ``geo_key`` the arguments of
     :func:`_geo`, ``flags`` (A_FP8, A_RANGE, HAS_B, B_FP8, B_RANGE, HAS_SINK, WRITE_MAX,
-    WRITE_PARTIAL)."""
-    a_fp8, a_range, has_b, b_fp8, b_range, has_sink, write_max, write_partial = flags
+    WRITE_PARTIAL, A_LEN, B_LEN)."""
+    a_fp8, a_range, has_b, b_fp8, b_range, has_sink, write_max, write_partial, a_len, b_len = flags
     return dict(
         A_FP8=a_fp8, A_RANGE=a_range, HAS_B=has_b, B_FP8=b_fp8, B_RANGE=b_range,
         HAS_SINK=has_sink, WRITE_MAX=write_max, WRITE_PARTIAL=write_partial,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and not write_max,
-        V_MASK=v_mask, PREFETCH=cfg.prefetch,
+        V_MASK=v_mask, PREFETCH=cfg.prefetch, A_LEN=a_len, B_LEN=b_len,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_geo(*geo_key),
     )
 
@@ -343,9 +343,10 @@ def _set_args(s: CandidateSet) -> list:
         req, start, num_reqs = s.token_to_req, s.starts, s.block_table.shape[0]
     else:
         idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
-        bt, stride_bt, max_blocks, req, start, num_reqs = s.lengths, 0, 0, s.lengths, s.lengths, 0
+        bt, stride_bt, max_blocks, req, start, num_reqs = idx, 0, 0, idx, idx, 0
+    lengths = s.lengths if s.lengths is not None else s.indices  # no lengths: never read (A_LEN/B_LEN)
     return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
-            idx, stride_idx, width, s.lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
+            idx, stride_idx, width, lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
 
 
 def _static_width(s: CandidateSet) -> int:
@@ -431,7 +432,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     b = sets[1] if len(sets) > 1 else a
     mx = max_logits if max_logits is not None else lse
     grid = (num_tokens * _cdiv(num_heads, cfg.block_h), cfg.num_splits)
-    flags = (a.is_fp8, a.is_range, len(sets) > 1, b.is_fp8, b.is_range, has_sink, max_logits is not None, total > 1)
+    flags = (a.is_fp8, a.is_range, len(sets) > 1, b.is_fp8, b.is_range, has_sink, max_logits is not None, total > 1,
+             a.lengths is not None, b.lengths is not None)
     a_args = _set_args(a)
     b_args = _set_args(b) if b is not a else a_args
     # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
