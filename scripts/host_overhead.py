@@ -12,7 +12,8 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
   time only while the host is slower than the kernels (small batches).
 
-Prints one line per entry point: median over ``--repeats`` loops of ``--calls`` calls each.
+Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
+calls each (the minimum is the figure to compare on a loaded machine).
 
     PYTHONPATH=. python -m scripts.host_overhead            # CPU, stubbed kernels
     python3 -m scripts.host_overhead --device cuda          # H200, real launches
@@ -98,8 +99,9 @@ def build_calls(device: torch.device) -> dict:
             "sparse_mla_attention": op}
 
 
-def time_us(fn, device: torch.device, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean wall time of ``calls`` back-to-back calls (us)."""
+def time_us(fn, device: torch.device, calls: int, repeats: int) -> tuple[float, float]:
+    """Median and minimum over ``repeats`` of the mean wall time of ``calls`` back-to-back
+    calls (us); the minimum is the robust figure on a shared machine."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(10):
         fn()
@@ -112,7 +114,7 @@ def time_us(fn, device: torch.device, calls: int, repeats: int) -> float:
             fn()
         per.append((time.perf_counter() - t0) / calls * 1e6)
     sync()
-    return statistics.median(per)
+    return statistics.median(per), min(per)
 
 
 def main() -> None:
@@ -145,7 +147,8 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
     for name, fn in calls.items():
-        print(f"{name:24s} {time_us(fn, device, args.calls, args.repeats):8.1f} us/call", flush=True)
+        med, best = time_us(fn, device, args.calls, args.repeats)
+        print(f"{name:24s} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
 
 
 if __name__ == "__main__":

@@ -319,6 +319,15 @@ def _decode_constexprs(cfg: KernelConfig, geo_key: tuple, flags: tuple, v_mask: 
     )
 
 
+@functools.cache
+def _kernel_modules():
+    """The decode and prefill kernel modules, imported on first use (Triton stays out of
+    ``import dsv4attn``); the cache only saves the import statement's cost per call."""
+    from dsv4attn.kernels import sparse_attn, sparse_attn_prefill
+
+    return sparse_attn, sparse_attn_prefill
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a ConstexprFunction: ~2 us per host call
 
@@ -337,6 +346,7 @@ def _dense(s: CandidateSet) -> CandidateSet:
 def _set_args(s: CandidateSet) -> list:
     """Kernel arguments of one set (dummy tensors stand in for the unused form's fields)."""
     c = s.cache
+    c_stride = c.stride()
     if s.is_range:
         idx, stride_idx, width = s.lengths, 0, _INT32_MAX
         bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
@@ -345,7 +355,7 @@ def _set_args(s: CandidateSet) -> list:
         idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
         bt, stride_bt, max_blocks, req, start, num_reqs = idx, 0, 0, idx, idx, 0
     lengths = s.lengths if s.lengths is not None else s.indices  # no lengths: never read (A_LEN/B_LEN)
-    return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
+    return [c, c_stride[0], c_stride[1], s.block_size, s.capacity,
             idx, stride_idx, width, lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
 
 
@@ -374,7 +384,7 @@ def _launch(
     or for ``prefill`` with <= 32 heads the shared-range kernel for range-form sets (merged with
     a per-token pass over indices-form sets). ``layout``: the sets' fp8 layout when the caller
     has resolved it (``False``: resolve here). Per-shape decisions come from the caches above."""
-    from dsv4attn.kernels import sparse_attn as kernels
+    kernels = _kernel_modules()[0]
 
     num_tokens, num_heads, head_dim = q.shape
     if layout is False:
@@ -425,7 +435,7 @@ def _launch(
 
 def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
                    cfg: KernelConfig, geo_key: tuple) -> None:
-    from dsv4attn.kernels import sparse_attn as kernels
+    kernels = _kernel_modules()[0]
 
     num_tokens, num_heads, _ = q.shape
     a = sets[0]
@@ -455,7 +465,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 
 def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
                     cfg: KernelConfig, geo: dict) -> None:
-    from dsv4attn.kernels import sparse_attn_prefill as kernels
+    kernels = _kernel_modules()[1]
 
     num_tokens, num_heads, _ = q.shape
     block_h = _next_pow2(num_heads)
