@@ -23,18 +23,19 @@ def check_tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
+    # Fast paths first (this runs several times per attention call): one comparison each when
+    # the tensor conforms; the error branches build the messages.
+    if dtype is not None and (t.dtype != dtype if isinstance(dtype, torch.dtype) else t.dtype not in tuple(dtype)):
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if t.dtype not in allowed:
-            want = " or ".join(str(d) for d in allowed)
-            raise TypeError(f"{name} must have dtype {want}, got {t.dtype} (shape {tuple(t.shape)})")
+        want = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype} (shape {tuple(t.shape)})")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             want_shape = tuple("*" if s is None else s for s in shape)
             raise ValueError(f"{name} must have shape {want_shape}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and t.device != (device if isinstance(device, torch.device) else torch.device(device)):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     return t
 

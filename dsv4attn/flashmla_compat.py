@@ -29,7 +29,7 @@ import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import _forward
+from dsv4attn.ops.sparse_attn import kernel_config, sparse_mla_forward
 
 
 @dataclass
@@ -54,10 +54,11 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
     return FlashMLASchedMeta(), None
 
 
-def _lengths(name: str, topk_length: torch.Tensor | None, batch: int, s_q: int, topk: int, device) -> torch.Tensor:
-    """Per-token lengths ``[batch * s_q]`` int32 from a per-batch ``topk_length`` (or full)."""
+def _lengths(name: str, topk_length: torch.Tensor | None, batch: int, s_q: int, device) -> torch.Tensor | None:
+    """Per-token lengths ``[batch * s_q]`` int32 from a per-batch ``topk_length``; ``None``
+    (whole rows, no vector to allocate) without one."""
     if topk_length is None:
-        return torch.full((batch * s_q,), topk, dtype=torch.int32, device=device)
+        return None
     check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
     return topk_length.repeat_interleave(s_q) if s_q > 1 else topk_length
 
@@ -76,8 +77,8 @@ def _paged_set(name: str, cache: torch.Tensor, indices: torch.Tensor | None, len
         raise ValueError(f"{name} indices must be (batch={batch}, seq_len_q={s_q}, topk), got {tuple(indices.shape)}")
     topk = indices.shape[2]
     lens_name = "topk_length" if name == "k_cache" else "extra_topk_length"
-    lengths = _lengths(lens_name, lengths_arg, batch, s_q, topk, device)
-    return CandidateSet(cache=cache[:, :, 0, :], lengths=lengths, indices=indices.reshape(batch * s_q, topk))
+    lengths = _lengths(lens_name, lengths_arg, batch, s_q, device)
+    return CandidateSet(cache=cache.select(2, 0), lengths=lengths, indices=indices.reshape(batch * s_q, topk))
 
 
 def flash_mla_with_kvcache(
@@ -144,17 +145,16 @@ def flash_mla_with_kvcache(
                          "use one get_mla_metadata() object per shape")
     dst = _out_view("out", out, (batch, s_q, num_heads, head_dim_v), head_dim, device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    res, lse, _ = _forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
-                           None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl, None,
-                           want_max=False)
+    res, lse, _ = sparse_mla_forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
+                                     None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl)
     if not meta.have_initialized:  # bound only once a call has passed validation
-        from dsv4attn.ops.sparse_attn import kernel_config
-
         widths = sum(s.indices.shape[1] for s in sets)
         k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
         meta.have_initialized, meta.config = True, config
         meta.num_splits = torch.tensor([k], dtype=torch.int32)
-    res = res.view(batch, s_q, num_heads, head_dim)[..., :head_dim_v]
+    res = res.view(batch, s_q, num_heads, head_dim)
+    if head_dim_v != head_dim:
+        res = res[..., :head_dim_v]
     if out is not None and dst is None:
         out.copy_(res)
         res = out
@@ -215,17 +215,15 @@ def flash_mla_sparse_fwd(
         raise ValueError(f"d_v must be an int in 1..{d_qk}, got {d_v!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise TypeError(f"sm_scale must be a finite float, got {sm_scale!r}")
-    topk = indices.shape[2]
-    if topk_length is None:
-        lengths = torch.full((s_q,), topk, dtype=torch.int32, device=q.device)
-    else:
+    lengths = topk_length  # None: whole rows
+    if topk_length is not None:
         check_tensor("topk_length", topk_length, dtype=torch.int32, shape=(s_q,), device=q.device)
-        lengths = topk_length
     # kv as bf16 pages of one entry each: slot = row, capacity = s_kv (>= s_kv is invalid).
     dst = _out_view("out", out, (s_q, num_heads, d_v), d_qk, q.device)
-    cset = CandidateSet(cache=kv, lengths=lengths, indices=indices[:, 0, :])
-    res, lse, max_logits = _forward(q, [cset], float(sm_scale), attn_sink, dst, impl, 1, want_max=True)
-    res = res[..., :d_v]
+    cset = CandidateSet(cache=kv, lengths=lengths, indices=indices.select(1, 0))
+    res, lse, max_logits = sparse_mla_forward(q, [cset], float(sm_scale), attn_sink, dst, impl, want_max=True)
+    if d_v != d_qk:
+        res = res[..., :d_v]
     if out is not None and dst is None:
         out.copy_(res)
         res = out

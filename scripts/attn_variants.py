@@ -5,24 +5,20 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn.KernelConfig` values launched through ``_launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 scripts/attn_variants.py
+    python3 -m scripts.attn_variants      # from the repository root
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import dsv4attn  # noqa: E402
-from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache  # noqa: E402
-from benchmarks.common import median_us  # noqa: E402
-from dsv4attn.ops.candidate_set import CandidateSet  # noqa: E402
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config  # noqa: E402
+import dsv4attn
+from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
+from benchmarks.common import median_us
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config
 
 #: (label, block_h, block_n, warps, stages, v_split, prefetch, lazy)
 VARIANTS = [

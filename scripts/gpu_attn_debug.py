@@ -7,9 +7,9 @@ the default config, the prefill path and the reference, and prints per run the m
 against the fp64 oracle next to the bound of the test suite (2 x the bf16 run's error + one
 bf16 ulp), the max lse error, and OK/BAD. A summary lists the configs with any BAD run.
 
-    .venv/bin/python scripts/gpu_attn_debug.py            # all configs
-    .venv/bin/python scripts/gpu_attn_debug.py --quick    # default + the old failing config
-    .venv/bin/python scripts/gpu_attn_debug.py --heads 3 64 --combos idx+range   # a subset
+    python -m scripts.gpu_attn_debug            # all configs (from the repository root)
+    python -m scripts.gpu_attn_debug --quick    # default + the old failing config
+    python -m scripts.gpu_attn_debug --heads 3 64 --combos idx+range   # a subset
 
 Each config compiles once per (set forms, split) variant: the full run compiles ~100 kernels.
 """
@@ -19,22 +19,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import zlib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():  # CPU: Triton's interpreter (as tests/conftest.py does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_sparse_attn_helpers import PROD_LAYOUT, SetSpec, build_set, make_sink, oracle  # noqa: E402
-
 from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config, sparse_mla_attention  # noqa: E402
+from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SetSpec, build_set, make_sink, oracle  # noqa: E402
 
 #: (BLOCK_H, BLOCK_N, num_warps, num_stages); the first is the config that failed on Triton 3.6.
 CONFIGS = [(16, 16, 8, 2), (16, 16, 4, 1), (16, 32, 4, 1), (16, 32, 8, 1), (16, 64, 4, 1), (32, 32, 4, 1),

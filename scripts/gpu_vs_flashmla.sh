@@ -8,7 +8,8 @@
 #   the device tool's 16 MiB per file); unpacked into /tmp/fm. Without it, FlashMLA is built in the
 #   background (MAX_JOBS=16) while the steps that need no FlashMLA run, and the built package
 #   is split into $OUT/flash_mla.tgz.part* for later calls.
-# Steps: tests | sweep (scripts/attn_variants.py) | report | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
+# Steps: tests | sweep (scripts/attn_variants.py) | report | host (eager host time per call,
+#   scripts/host_overhead.py) | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 SRC="$1"; SAVED="$2"; shift 2
@@ -42,8 +43,9 @@ for step in "$@"; do
     tests) xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
            timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
              tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
-    sweep) timeout 300 python3 scripts/attn_variants.py > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
-    report) python3 scripts/sm90_report.py --quick > "$OUT/report.txt" 2>&1 ;;
+    sweep) timeout 300 python3 -m scripts.attn_variants > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
+    report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
+    host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;
     vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
     *) echo "unknown step $step" ;;

@@ -5,8 +5,8 @@ one line per kernel config (production layout 448 + 64, fp8 pages: indices-form 
 SWA for decode, two range sets for prefill). Pointer and int arguments are declared 16-byte
 divisible where the real launch would specialise them so (page strides are multiples of 16).
 
-    .venv/bin/python scripts/sm90_report.py                 # default grid
-    .venv/bin/python scripts/sm90_report.py --quick         # only the default configs
+    python -m scripts.sm90_report                 # default grid (from the repository root)
+    python -m scripts.sm90_report --quick         # only the default configs
 """
 
 from __future__ import annotations
@@ -15,21 +15,18 @@ import argparse
 import inspect
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from dsv4attn.kernels.sparse_attn import _sparse_mla_attn_kernel, _sparse_mla_combine_kernel  # noqa: E402
-from dsv4attn.kernels.sparse_attn_prefill import _sparse_mla_prefill_kernel  # noqa: E402
-from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAY  # noqa: E402
-from dsv4attn.ops.sparse_attn import geometry  # noqa: E402
+from dsv4attn.kernels.sparse_attn import _sparse_mla_attn_kernel, _sparse_mla_combine_kernel
+from dsv4attn.kernels.sparse_attn_prefill import _sparse_mla_prefill_kernel
+from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAY
+from dsv4attn.ops.sparse_attn import geometry
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Integer arguments that are multiples of 16 in real launches (strides of q/out/pages).
@@ -91,7 +88,7 @@ def decode_constexprs(block_h: int, block_n: int, partial: bool, out_bf16: bool 
                       v_mask: int = 15, prefetch: bool = False) -> dict:
     return dict(geo(), OUT_BF16=out_bf16, A_FP8=True, A_RANGE=False, HAS_B=True, B_FP8=True, B_RANGE=True,
                 HAS_SINK=True, WRITE_MAX=False, WRITE_PARTIAL=partial, BLOCK_H=block_h, BLOCK_N=block_n, LAZY=lazy,
-                V_MASK=v_mask, PREFETCH=prefetch)
+                V_MASK=v_mask, PREFETCH=prefetch, A_LEN=True, B_LEN=True)
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_attn_helpers import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, oracle
 
 from dsv4attn.flashmla_compat import (
     FlashMLASchedMeta,
@@ -13,6 +12,7 @@ from dsv4attn.flashmla_compat import (
     flash_mla_with_kvcache,
     get_mla_metadata,
 )
+from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, oracle
 
 
 def test_get_mla_metadata_is_a_placeholder():
@@ -182,3 +182,27 @@ def test_sparse_fwd_writes_out_in_place(impl, device):
         assert got[0].data_ptr() == out.data_ptr()
         torch.testing.assert_close(out, want[0][..., :d_v], rtol=0, atol=0)
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_no_topk_length_means_whole_rows(impl, device):
+    """Without ``topk_length`` every index row counts whole (no per-call lengths vector):
+    same result as passing the full width, for both entry points."""
+    gen = torch.Generator().manual_seed(41)
+    s_q, num_heads, d, s_kv, topk = 4, 3, SMALL_LAYOUT.head_dim, 30, 19
+    kv = torch.randn(s_kv, 1, d, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.randint(-1, s_kv + 4, (s_q, 1, topk), generator=gen, dtype=torch.int32).to(device)
+    q = torch.randn(s_q, num_heads, d, generator=gen).to(torch.bfloat16).to(device)
+    full = torch.full((s_q,), topk, dtype=torch.int32, device=device)
+    got = flash_mla_sparse_fwd(q, kv, idx, 0.2, d_v=d, impl=impl)
+    want = flash_mla_sparse_fwd(q, kv, idx, 0.2, d_v=d, topk_length=full, impl=impl)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    a = build_set(SetSpec("indices", True, 16, 24), s_q, [0] * s_q, SMALL_LAYOUT, gen, device, lengths=[24] * s_q)
+    q4 = torch.randn(s_q, 1, num_heads, d, generator=gen).to(torch.bfloat16)
+    out, lse = flash_mla_with_kvcache(q4.to(device), a.cset.cache.unsqueeze(-2), None, None, d, get_mla_metadata()[0],
+                                      softmax_scale=0.1, is_fp8_kvcache=True, indices=a.cset.indices.view(s_q, 1, -1),
+                                      impl=impl)
+    qf = q4.view(s_q, num_heads, d)
+    assert_matches(out.view(s_q, num_heads, d), lse.view(s_q, num_heads), oracle(qf, [a], 0.1, None),
+                   oracle(qf, [a], 0.1, None, True), "with_kvcache, no topk_length")

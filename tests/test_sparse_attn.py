@@ -15,7 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sparse_attn_helpers import (
+
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, pick_splits, sparse_mla_attention
+from dsv4attn.testing.attention_oracle import (
     PROD_LAYOUT,
     SMALL_LAYOUT,
     SetSpec,
@@ -24,9 +27,6 @@ from test_sparse_attn_helpers import (
     make_sink,
     oracle,
 )
-
-from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, pick_splits, sparse_mla_attention
 
 # (id, num_heads, num_tokens, layout, set specs, num_splits, sink kind, num_reqs)
 CASES = [

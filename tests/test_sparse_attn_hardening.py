@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from test_sparse_attn_helpers import SMALL_LAYOUT, SetSpec, build_set
 
 from dsv4attn.ops.candidate_set import MAX_ENTRIES, CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.testing.attention_oracle import SMALL_LAYOUT, SetSpec, build_set
 
 D = SMALL_LAYOUT.head_dim
 I32 = torch.int32

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_attn_helpers import SMALL_LAYOUT, SetSpec, assert_matches, build_set, make_sink, oracle
 
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.testing.attention_oracle import SMALL_LAYOUT, SetSpec, assert_matches, build_set, make_sink, oracle
 
 WINDOW = 16
 

@@ -238,7 +238,7 @@ def _set_pass(
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, TAIL: tl.constexpr, R: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
-    V_MASK: tl.constexpr, PREFETCH: tl.constexpr,
+    V_MASK: tl.constexpr, PREFETCH: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     """Attend token ``t``'s head tile to chunks ``split, split + num_splits, ...`` of one set.
 
@@ -246,7 +246,10 @@ def _set_pass(
     loads of chunk c+1 (whose slots were read one iteration earlier) and the slot reads of
     chunk c+2 are already in flight, so neither dependent latency (slot -> bytes) stalls the
     MMAs. Chunks past the end are fully masked (no memory is touched for them)."""
-    length = tl.minimum(tl.load(len_ptr + t), width)  # indices form: never past the row
+    if HAS_LEN:
+        length = tl.minimum(tl.load(len_ptr + t), width)  # indices form: never past the row
+    else:
+        length = t * 0 + width  # no lengths (indices form): whole rows, len_ptr unused
     req = 0
     start = 0
     if IS_RANGE:
@@ -304,7 +307,7 @@ def _sparse_mla_attn_kernel(
     HAS_B: tl.constexpr, B_FP8: tl.constexpr, B_RANGE: tl.constexpr,
     HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr, WRITE_PARTIAL: tl.constexpr, OUT_BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, CPU_INTERP: tl.constexpr,
-    V_MASK: tl.constexpr = 15, PREFETCH: tl.constexpr = False,
+    V_MASK: tl.constexpr = 15, PREFETCH: tl.constexpr = False, A_LEN: tl.constexpr = True, B_LEN: tl.constexpr = True,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, BLOCK_H), num_splits)``, head tiles fastest: the
     tiles of one token run together, so the second tile's gathers hit L2 (h = 128).
@@ -314,6 +317,7 @@ def _sparse_mla_attn_kernel(
     HEAD_DIM]`` and ``part_lse [T, total_splits, H]`` at split index ``split_base + s`` for
     ``_sparse_mla_combine_kernel`` (other passes, e.g. the prefill kernel, fill the rest).
     LAZY (not with WRITE_MAX): online-softmax rescaling only when a max grows by > 2^8.
+    A_LEN / B_LEN False: that (indices-form) set has no lengths vector, every row is whole.
     """
     tiles = tl.cdiv(num_heads, BLOCK_H)
     t = tl.program_id(0) // tiles
@@ -339,14 +343,14 @@ def _sparse_mla_attn_kernel(
         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
         qk_scale, A_FP8, A_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP,
-        V_MASK, PREFETCH)
+        V_MASK, PREFETCH, A_LEN)
     if HAS_B:
         a0, a1, a2, a3, m_i, l_i = _set_pass(
             t, split, num_splits, q0, q1, q2, q3, a0, a1, a2, a3, m_i, l_i,
             b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
             b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
             qk_scale, B_FP8, B_RANGE, NOPE, P0, P1, P2, TAIL, R, DATA_BYTES, SCALE_BYTES, BLOCK_H, BLOCK_N, LAZY, CPU_INTERP,
-            V_MASK, PREFETCH)
+            V_MASK, PREFETCH, B_LEN)
     _finish(a0, a1, a2, a3, m_i, l_i, h_ok, t64 * stride_o_t + hc * stride_o_h, t64 * stride_lse_t + hc,
             t64 * stride_max_t + hc, (t64 * total_splits + split_base + split) * num_heads + hc,
             sink_ptr + hc, out_ptr, lse_ptr, max_ptr, part_o_ptr, part_lse_ptr,

@@ -7,7 +7,7 @@ token sees, in one of two forms (the metadata contract shared with ``dsv4attn.me
   (``slot = block_id * block_size + offset``; -1 = hole) and ``lengths [num_tokens]`` int32.
   Candidate ``j`` of token ``t`` is valid iff ``j < lengths[t]`` and ``indices[t, j] >= 0``;
   entries at or beyond ``lengths[t]`` are never read (a length beyond ``width`` means the
-  whole row).
+  whole row; ``lengths=None`` means whole rows for every token, with no vector to allocate).
 * **range form**: ``block_table [num_reqs, max_blocks]``, ``token_to_req [num_tokens]``,
   ``starts [num_tokens]``, ``lengths [num_tokens]`` (all int32). Token ``t`` sees entries
   ``e = starts[t] .. starts[t] + lengths[t] - 1`` of its request's stream, stored at slot
@@ -28,6 +28,7 @@ a contiguous layout as engines' tests allocate), or plain bf16 pages
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,8 @@ MAX_ENTRIES = 1 << 30
 class CandidateSet:
     """One cache plus the per-token candidate description (indices form or range form).
 
-    Fields: ``cache`` (fp8_ds_mla uint8 view or bf16 pages), ``lengths [num_tokens]`` int32,
+    Fields: ``cache`` (fp8_ds_mla uint8 view or bf16 pages), ``lengths [num_tokens]`` int32
+    (indices form only: ``None`` = every row whole),
     and either ``indices [num_tokens, width]`` int32 (indices form) or ``block_table
     [num_reqs, max_blocks]`` + ``token_to_req [num_tokens]`` + ``starts [num_tokens]`` int32
     (range form). ``layout`` gives the NoPE/RoPE split of an fp8 cache; ``None`` infers it
@@ -53,7 +55,7 @@ class CandidateSet:
     """
 
     cache: torch.Tensor
-    lengths: torch.Tensor
+    lengths: torch.Tensor | None
     indices: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     token_to_req: torch.Tensor | None = None
@@ -98,12 +100,20 @@ def resolve_layout(s: CandidateSet, head_dim: int, name: str) -> FP8DSMLALayout 
     """Layout of an fp8 set (``None`` for bf16 pages); checks it against ``head_dim``."""
     if not s.is_fp8:
         return None
-    lay = s.layout
+    return layout_for(s.layout, head_dim, int(s.cache.shape[2]), name)
+
+
+@functools.lru_cache(maxsize=512)
+def layout_for(layout: FP8DSMLALayout | None, head_dim: int, entry_bytes: int, name: str) -> FP8DSMLALayout:
+    """The fp8 layout of a set: ``layout`` if given, else the one inferred from ``head_dim`` and
+    ``entry_bytes``; ``ValueError`` naming ``name`` when it does not match ``head_dim``.
+    A pure function, cached (LRU) because every attention call asks it; errors are not cached."""
+    lay = layout
     if lay is None:
-        if head_dim == PRODUCTION_LAYOUT.head_dim and s.cache.shape[2] == PRODUCTION_LAYOUT.entry_bytes:
+        if head_dim == PRODUCTION_LAYOUT.head_dim and entry_bytes == PRODUCTION_LAYOUT.entry_bytes:
             lay = PRODUCTION_LAYOUT
         else:
-            lay = infer_layout(head_dim, int(s.cache.shape[2]))
+            lay = infer_layout(head_dim, entry_bytes)
     if lay.head_dim != head_dim:
         raise ValueError(f"{name}.layout head_dim {lay.head_dim} does not match q head_dim {head_dim}")
     return lay
@@ -118,22 +128,27 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         raise TypeError(f"{name}.cache must be a torch.Tensor, got {type(cache).__name__}")
     if cache.device != device:
         raise ValueError(f"{name}.cache must be on {device}, got {cache.device}")
+    if s.layout is not None and not isinstance(s.layout, FP8DSMLALayout):
+        raise TypeError(f"{name}.layout must be an FP8DSMLALayout or None, got {type(s.layout).__name__}")
     if cache.dtype == torch.uint8:
-        lay = resolve_layout(s, head_dim, name)
-        if cache.dim() != 3 or cache.shape[2] != lay.entry_bytes or cache.stride(2) != 1:
-            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {lay.entry_bytes}) uint8 view with "
+        if cache.dim() != 3:
+            raise ValueError(f"{name}.cache must be a 3-D (num_blocks, block_size, entry_bytes) uint8 view, "
+                             f"got shape {tuple(cache.shape)}")
+        entry_bytes = resolve_layout(s, head_dim, name).entry_bytes
+        if cache.shape[2] != entry_bytes or cache.stride(2) != 1:
+            raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {entry_bytes}) uint8 view with "
                              f"contiguous bytes, got shape {tuple(cache.shape)} strides {cache.stride()}")
         # The kernels read block_size * entry_bytes bytes per block: the padded page stride of
         # dsv4attn's allocator or a contiguous layout (engines' tests) both qualify.
-        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * lay.entry_bytes:
+        if cache.shape[0] > 1 and cache.stride(0) < cache.shape[1] * entry_bytes:
             raise ValueError(f"{name}.cache block stride {cache.stride(0)} is smaller than a block's "
-                             f"{cache.shape[1] * lay.entry_bytes} bytes")
+                             f"{cache.shape[1] * entry_bytes} bytes")
         if cache.data_ptr() % 4 or (cache.shape[0] > 1 and cache.stride(0) % 4):
             # Kernels read entries as 32-bit words; real pages are 576-byte aligned.
             raise ValueError(f"{name}.cache pages must be 4-byte aligned (data_ptr and stride(0))")
-        if cache.shape[1] > 1 and cache.stride(1) != lay.entry_bytes:
+        if cache.shape[1] > 1 and cache.stride(1) != entry_bytes:
             # The view's middle dim is cosmetic, but a reshape would break the byte layout.
-            raise ValueError(f"{name}.cache stride(1) must be {lay.entry_bytes}, got {cache.stride(1)}")
+            raise ValueError(f"{name}.cache stride(1) must be {entry_bytes}, got {cache.stride(1)}")
     elif cache.dtype in (torch.bfloat16, torch.float32):
         # "auto" pages hold the model dtype: bf16 in serving, fp32 for exact-parity runs.
         check_tensor(f"{name}.cache", cache, ndim=3)
@@ -146,7 +161,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
     if cache.shape[0] < 1 or cache.shape[1] < 1:
         raise ValueError(f"{name}.cache must hold at least one entry, got shape {tuple(cache.shape)}")
     i32 = torch.int32
-    check_tensor(f"{name}.lengths", s.lengths, dtype=i32, shape=(num_tokens,), device=device)
+    if s.lengths is not None or s.indices is None:  # None: indices form with whole rows
+        check_tensor(f"{name}.lengths", s.lengths, dtype=i32, shape=(num_tokens,), device=device)
     if s.indices is not None:
         for extra in ("block_table", "token_to_req", "starts"):
             if getattr(s, extra) is not None:
@@ -165,6 +181,8 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         check_tensor(f"{name}.block_table", s.block_table, dtype=i32, ndim=2, device=device)
         if s.block_table.shape[1] > 0 and s.block_table.stride(1) != 1:
             raise ValueError(f"{name}.block_table rows must be contiguous, got strides {s.block_table.stride()}")
+        # token_to_req values are not range-checked (that would need a host sync per layer): a
+        # value that is no block-table row means "no candidates" in the kernels and the reference.
         check_tensor(f"{name}.token_to_req", s.token_to_req, dtype=i32, shape=(num_tokens,), device=device)
         check_tensor(f"{name}.starts", s.starts, dtype=i32, shape=(num_tokens,), device=device)
         span = s.block_table.shape[1] * int(cache.shape[1])

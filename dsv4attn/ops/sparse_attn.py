@@ -17,7 +17,8 @@ import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.device import resolve_impl
-from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, resolve_layout
+from dsv4attn.kv_cache.layout import FP8DSMLALayout
+from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, layout_for
 
 _INT32_MAX = 2**31 - 1
 #: Head-count limit (DeepSeek-V4 has 64 or 128 query heads per rank at most).
@@ -175,24 +176,29 @@ def sparse_mla_attention(
     (always within the tolerance of the tests); it is faster for small batches (decode h64
     B64: ~15% on the H200).
     """
-    return _forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max=False, prefill=prefill,
-                    deterministic=deterministic)[:2]
+    return sparse_mla_forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits=num_splits, want_max=False,
+                              prefill=prefill, deterministic=deterministic)[:2]
 
 
-def _forward(
+def sparse_mla_forward(
     q: torch.Tensor,
     sets: Sequence[CandidateSet],
     softmax_scale: float,
-    attn_sink: torch.Tensor | None,
-    out: torch.Tensor | None,
-    impl: str,
-    num_splits: int | None,
-    want_max: bool,
+    attn_sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+    *,
+    num_splits: int | None = None,
+    want_max: bool = False,
     prefill: bool = False,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Shared body of the op and the FlashMLA entry points; ``want_max`` also returns the max
-    logit per (token, head) (-inf for empty rows)."""
+    """:func:`sparse_mla_attention` plus the max logit: returns ``(out [T, H, D], lse [T, H]
+    fp32, max_logits [T, H] fp32 or None)``. With ``want_max=True`` the third output holds
+    the scaled max logit per (token, head) (-inf for rows without a valid candidate) and the
+    Triton path runs without split-KV (``num_splits`` must then be None or 1); otherwise it is
+    ``None``. Same validation and arguments as the op (the FlashMLA entry points and the op
+    both call this; its reference is ``sparse_mla_forward_ref``)."""
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     if not 1 <= num_heads <= MAX_HEADS:
@@ -206,12 +212,7 @@ def _forward(
         check_candidate_set(f"sets[{i}]", s, num_tokens, head_dim, device)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise TypeError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
-    fp8_layouts = {resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets) if s.is_fp8}
-    if len(fp8_layouts) > 1:
-        raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
-    if any(lay.rope_dim > lay.tile for lay in fp8_layouts):
-        raise ValueError(f"fp8 layouts with rope_dim > 64 are not supported, got {fp8_layouts}")
-    geometry(head_dim, next(iter(fp8_layouts)).nope_dim if fp8_layouts else None)  # raises if unsupported
+    lay = _common_layout(tuple(_set_layout(s, head_dim, i) for i, s in enumerate(sets)), head_dim)  # raises
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(num_heads,), device=device)
     if out is not None:
@@ -224,11 +225,15 @@ def _forward(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    path = resolve_impl(impl, device)
+    if not isinstance(want_max, bool):
+        raise TypeError(f"want_max must be a bool, got {want_max!r}")
+    if want_max and num_splits not in (None, 1):
+        raise ValueError(f"want_max needs num_splits None or 1 (max logits are not split), got {num_splits!r}")
+    path = _resolve_impl(impl, device)
     # What the kernels read as flat int32 / fp32 vectors must be dense (a strided view would be
     # read as if it were not); no-ops for the usual contiguous tensors.
     sets = [_dense(s) for s in sets]
-    if attn_sink is not None:
+    if attn_sink is not None and not attn_sink.is_contiguous():
         attn_sink = attn_sink.contiguous()
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
@@ -240,9 +245,95 @@ def _forward(
     max_logits = torch.empty_like(lse) if want_max else None
     if num_tokens == 0:
         return out, lse, max_logits
-    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, num_splits, prefill=prefill,
-            deterministic=deterministic)
+    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, 1 if want_max else num_splits,
+            prefill=prefill, deterministic=deterministic, layout=lay)
     return out, lse, max_logits
+
+
+# Host-cost caches (issue 9). Each wraps a pure function of its (hashable) arguments: shapes,
+# dtypes, layouts, device ids, flags. No result depends on call history, only the time to get
+# it; sizes are bounded (an LRU of a few hundred entries) so a shape sweep cannot grow memory.
+_CACHE_SIZE = 512
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    """:func:`resolve_impl`, cached for CUDA devices (their capability never changes; the CPU
+    answer reads Triton's interpreter flag and stays uncached)."""
+    if device.type == "cuda" and isinstance(impl, str):
+        return _resolve_impl_cuda(impl, device)
+    return resolve_impl(impl, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_impl_cuda(impl: str, device: torch.device) -> str:
+    return resolve_impl(impl, device)
+
+
+def _set_layout(s: CandidateSet, head_dim: int, i: int) -> FP8DSMLALayout | None:
+    """:func:`resolve_layout` of ``sets[i]`` through its cached pure core."""
+    return layout_for(s.layout, head_dim, int(s.cache.shape[2]), f"sets[{i}]") if s.is_fp8 else None
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _common_layout(lays: tuple, head_dim: int) -> FP8DSMLALayout | None:
+    """The one fp8 layout of the sets (None: bf16/fp32 pages only); raises ``ValueError`` for
+    mixed layouts, rope_dim > 64 or a head_dim the kernels do not support."""
+    fp8_layouts = {x for x in lays if x is not None}
+    if len(fp8_layouts) > 1:
+        raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
+    if any(lay.rope_dim > lay.tile for lay in fp8_layouts):
+        raise ValueError(f"fp8 layouts with rope_dim > 64 are not supported, got {fp8_layouts}")
+    lay = next(iter(fp8_layouts), None)
+    geometry(head_dim, lay.nope_dim if lay else None)  # raises if unsupported
+    return lay
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _geo(head_dim: int, lay: FP8DSMLALayout | None, out_bf16: bool, cpu: bool) -> dict:
+    """Geometry constexprs of the kernels (callers never mutate the returned dict)."""
+    return dict(
+        geometry(head_dim, lay.nope_dim if lay else None),
+        DATA_BYTES=lay.data_bytes if lay else 0, SCALE_BYTES=lay.scale_bytes if lay else 0,
+        OUT_BF16=out_bf16,
+        CPU_INTERP=cpu,  # interpreter workarounds (see the kernel module)
+    )
+
+
+#: :func:`kernel_config` through an LRU (its device argument carries the index, so the SM
+#: count it reads is that device's).
+_cached_config = functools.lru_cache(maxsize=_CACHE_SIZE)(lambda *a: kernel_config(*a))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _decode_constexprs(cfg: KernelConfig, geo_key: tuple, flags: tuple, v_mask: int) -> dict:
+    """Keyword arguments (constexprs, warps) of one decode launch; ``geo_key`` the arguments of
+    :func:`_geo`, ``flags`` (A_FP8, A_RANGE, HAS_B, B_FP8, B_RANGE, HAS_SINK, WRITE_MAX,
+    WRITE_PARTIAL, A_LEN, B_LEN)."""
+    a_fp8, a_range, has_b, b_fp8, b_range, has_sink, write_max, write_partial, a_len, b_len = flags
+    return dict(
+        A_FP8=a_fp8, A_RANGE=a_range, HAS_B=has_b, B_FP8=b_fp8, B_RANGE=b_range,
+        HAS_SINK=has_sink, WRITE_MAX=write_max, WRITE_PARTIAL=write_partial,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and not write_max,
+        V_MASK=v_mask, PREFETCH=cfg.prefetch, A_LEN=a_len, B_LEN=b_len,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_geo(*geo_key),
+    )
+
+
+@functools.cache
+def _kernel_modules():
+    """The decode and prefill kernel modules, imported on first use (Triton stays out of
+    ``import dsv4attn``); the cache only saves the import statement's cost per call."""
+    from dsv4attn.kernels import sparse_attn, sparse_attn_prefill
+
+    return sparse_attn, sparse_attn_prefill
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a ConstexprFunction: ~2 us per host call
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _dense(s: CandidateSet) -> CandidateSet:
@@ -255,15 +346,17 @@ def _dense(s: CandidateSet) -> CandidateSet:
 def _set_args(s: CandidateSet) -> list:
     """Kernel arguments of one set (dummy tensors stand in for the unused form's fields)."""
     c = s.cache
+    c_stride = c.stride()
     if s.is_range:
         idx, stride_idx, width = s.lengths, 0, _INT32_MAX
         bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
         req, start, num_reqs = s.token_to_req, s.starts, s.block_table.shape[0]
     else:
         idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
-        bt, stride_bt, max_blocks, req, start, num_reqs = s.lengths, 0, 0, s.lengths, s.lengths, 0
-    return [c, c.stride(0), c.stride(1), s.block_size, s.capacity,
-            idx, stride_idx, width, s.lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
+        bt, stride_bt, max_blocks, req, start, num_reqs = idx, 0, 0, idx, idx, 0
+    lengths = s.lengths if s.lengths is not None else s.indices  # no lengths: never read (A_LEN/B_LEN)
+    return [c, c_stride[0], c_stride[1], s.block_size, s.capacity,
+            idx, stride_idx, width, lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
 
 
 def _static_width(s: CandidateSet) -> int:
@@ -285,104 +378,97 @@ def _launch(
     config: KernelConfig | None = None,
     prefill: bool = False,
     deterministic: bool = False,
+    layout: FP8DSMLALayout | None | bool = False,
 ) -> None:
     """Run the Triton kernels: per-token (split-KV + combine when the config asks for splits),
     or for ``prefill`` with <= 32 heads the shared-range kernel for range-form sets (merged with
-    a per-token pass over indices-form sets)."""
-    import triton
-
-    from dsv4attn.kernels.sparse_attn import LOG2E, _sparse_mla_combine_kernel
+    a per-token pass over indices-form sets). ``layout``: the sets' fp8 layout when the caller
+    has resolved it (``False``: resolve here). Per-shape decisions come from the caches above."""
+    kernels = _kernel_modules()[0]
 
     num_tokens, num_heads, head_dim = q.shape
-    lays = [resolve_layout(s, head_dim, f"sets[{i}]") for i, s in enumerate(sets)]
-    lay = next((x for x in lays if x is not None), None)
-    geo = dict(
-        geometry(head_dim, lay.nope_dim if lay else None),
-        DATA_BYTES=lay.data_bytes if lay else 0, SCALE_BYTES=lay.scale_bytes if lay else 0,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        CPU_INTERP=q.device.type == "cpu",  # interpreter workarounds (see the kernel module)
-    )
-    cfg = config or kernel_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), q.device,
-                                  num_splits, deterministic)
-    sink = attn_sink if attn_sink is not None else lse
-    range_sets = [s for s in sets if s.is_range]
-    index_sets = [s for s in sets if not s.is_range]
-    shared = (prefill and bool(range_sets) and num_heads <= _PREFILL_MAX_HEADS and max_logits is None
-              and not deterministic)
+    if layout is False:
+        layout = _common_layout(tuple(_set_layout(s, head_dim, i) for i, s in enumerate(sets)), head_dim)
+    device = q.device
+    geo_key = (head_dim, layout, out.dtype == torch.bfloat16, device.type == "cpu")
+    geo = _geo(*geo_key)
+    cfg = config or _cached_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), device,
+                                   num_splits, deterministic)
+    has_sink = attn_sink is not None
+    sink = attn_sink if has_sink else lse
+    shared = (prefill and num_heads <= _PREFILL_MAX_HEADS and max_logits is None and not deterministic
+              and any(s.is_range for s in sets))
     if shared:
+        range_sets = [s for s in sets if s.is_range]
+        index_sets = [s for s in sets if not s.is_range]
         passes = [("shared", range_sets)] + ([("per_token", index_sets)] if index_sets else [])
         total = len(passes)
     else:
-        passes = [("per_token", list(sets))]
+        passes = [("per_token", sets)]
         total = cfg.num_splits
     if total > 1:
         if max_logits is not None:
             raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = torch.empty(num_tokens * total * num_heads * head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_tokens * total * num_heads * head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=device)
     else:
         part_o = part_lse = lse
-    qk_scale = softmax_scale * LOG2E
+    qk_scale = softmax_scale * kernels.LOG2E
     for split_base, (kind, group) in enumerate(passes):
         if kind == "shared":
-            _launch_prefill(q, group, out, lse, part_o, part_lse, sink, attn_sink is not None, qk_scale,
+            _launch_prefill(q, group, out, lse, part_o, part_lse, sink, has_sink, qk_scale,
                             split_base, total, cfg, geo)
         else:
-            _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, attn_sink is not None, qk_scale,
-                           split_base, total, cfg if not shared else
-                           dataclasses.replace(cfg, num_splits=1), geo)
+            _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale,
+                           split_base, total, cfg if not shared else dataclasses.replace(cfg, num_splits=1), geo_key)
     if total > 1:
-        _sparse_mla_combine_kernel[(num_tokens, triton.cdiv(num_heads, _COMBINE_BLOCK_H))](
+        kernels._sparse_mla_combine_kernel[(num_tokens, _cdiv(num_heads, _COMBINE_BLOCK_H))](
             part_o, part_lse, sink,
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
             num_heads, total,
-            HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HAS_SINK=attn_sink is not None,
+            HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), HAS_SINK=has_sink,
             OUT_BF16=geo["OUT_BF16"], BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
             num_warps=4,
         )
 
 
 def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
-                   cfg: KernelConfig, geo: dict) -> None:
-    import triton
-
-    from dsv4attn.kernels.sparse_attn import _sparse_mla_attn_kernel
+                   cfg: KernelConfig, geo_key: tuple) -> None:
+    kernels = _kernel_modules()[0]
 
     num_tokens, num_heads, _ = q.shape
     a = sets[0]
-    b = sets[1] if len(sets) > 1 else sets[0]
+    b = sets[1] if len(sets) > 1 else a
     mx = max_logits if max_logits is not None else lse
-    grid = (num_tokens * triton.cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    grid = (num_tokens * _cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    flags = (a.is_fp8, a.is_range, len(sets) > 1, b.is_fp8, b.is_range, has_sink, max_logits is not None, total > 1,
+             a.lengths is not None, b.lengths is not None)
+    a_args = _set_args(a)
+    b_args = _set_args(b) if b is not a else a_args
     # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
-    masks = (15,) if cfg.v_split == 1 or geo["P1"] == 0 else (1, 14)
+    masks = (15,) if cfg.v_split == 1 or _geo(*geo_key)["P1"] == 0 else (1, 14)
+    launch = kernels._sparse_mla_attn_kernel[grid]
     for v_mask in masks:
-        _sparse_mla_attn_kernel[grid](
+        launch(
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
             mx, mx.stride(0),
             part_o, part_lse,
             sink,
-            *_set_args(a), *_set_args(b),
+            *a_args, *b_args,
             num_heads, qk_scale, split_base, total, cfg.num_splits,
-            A_FP8=a.is_fp8, A_RANGE=a.is_range,
-            HAS_B=len(sets) > 1, B_FP8=b.is_fp8, B_RANGE=b.is_range,
-            HAS_SINK=has_sink, WRITE_MAX=max_logits is not None, WRITE_PARTIAL=total > 1,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and max_logits is None,
-            V_MASK=v_mask, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **geo,
+            **_decode_constexprs(cfg, geo_key, flags, v_mask),
         )
 
 
 def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
                     cfg: KernelConfig, geo: dict) -> None:
-    import triton
-
-    from dsv4attn.kernels.sparse_attn_prefill import _sparse_mla_prefill_kernel
+    kernels = _kernel_modules()[1]
 
     num_tokens, num_heads, _ = q.shape
-    block_h = triton.next_power_of_2(num_heads)
+    block_h = _next_pow2(num_heads)
     block_m = max(1, _PREFILL_ROWS // block_h)
 
     def args(s: CandidateSet) -> list:
@@ -392,8 +478,8 @@ def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scal
 
     a = sets[0]
     b = sets[1] if len(sets) > 1 else sets[0]
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(num_heads, block_h))
-    _sparse_mla_prefill_kernel[grid](
+    grid = (_cdiv(num_tokens, block_m), _cdiv(num_heads, block_h))
+    kernels._sparse_mla_prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),
         lse, lse.stride(0),

@@ -24,6 +24,10 @@ _TOKENS_PER_STEP = 128
 def candidate_slots(s: CandidateSet, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """Global slots ``[n, width]`` int64 (0 where invalid) and validity ``[n, width]`` bool of
     tokens ``rows`` of set ``s``."""
+    if s.lengths is None:  # indices form, whole rows
+        idx = s.indices[rows].long()
+        valid = (idx >= 0) & (idx < s.capacity)
+        return torch.where(valid, idx, torch.zeros_like(idx)), valid
     lengths = s.lengths[rows].long()
     n = lengths.shape[0]
     if s.indices is not None:

@@ -3,6 +3,9 @@
 - :mod:`dsv4attn.testing.hf_oracle`: the Hugging Face ``transformers`` DeepseekV4Attention as
   the math oracle (small configs, deterministic weights, chunked reference runs). Needs the
   ``test`` extra (``transformers``), imported lazily.
+- :mod:`dsv4attn.testing.attention_oracle`: adversarial candidate sets (permuted block tables,
+  NaN-poisoned unused pages, sentinel block-table columns, -1 holes) and a plain-Python fp64
+  oracle of the sparse MLA attention with sink.
 - :mod:`dsv4attn.testing.tolerance`: how results are compared (max-abs error relative to the
   reference's scale; the bf16 rule "our error <= factor x the reference's own bf16 error").
 

@@ -1,4 +1,7 @@
-"""Shared builders and oracles of the sparse-attention tests (no tests here).
+"""Builders and an independent oracle for the sparse MLA attention (tests, GPU scripts).
+
+Used by ``tests/test_sparse_attn*.py``, ``tests/test_flashmla_compat.py`` and
+``scripts/gpu_attn_debug.py``; nothing here is on the serving path.
 
 Builds adversarial candidate sets (permuted block tables, NaN-poisoned unused pages, huge
 sentinels in unused block-table columns, -1 holes, NaN rows behind indices past the length) and

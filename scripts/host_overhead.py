@@ -1,0 +1,155 @@
+"""Host cost of one eager call of the three sparse attention entry points (issue 9).
+
+Production decode shapes: B = 64 tokens, h = 64 heads, head_dim 512, fp8_ds_mla pages of block
+size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices form), sink.
+``flash_mla_sparse_fwd`` runs 64 tokens over a bf16 kv of 32768 rows, top-k 512.
+
+* CPU (default without CUDA, or ``--stub``): the Triton kernels are replaced by a no-op stub
+  (``kernel[grid](...)`` returns at once), so the time is our Python path only: validation,
+  config choice, allocation and argument assembly, without Triton's own launcher.
+* GPU (``--device cuda``, no ``--stub``): wall time per eager call of the real path (Triton's
+  launcher included) with the device synchronised once before and once after the timed loop,
+  i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
+  time only while the host is slower than the kernels (small batches).
+
+Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
+calls each (the minimum is the figure to compare on a loaded machine).
+
+    PYTHONPATH=. python -m scripts.host_overhead            # CPU, stubbed kernels
+    python3 -m scripts.host_overhead --device cuda          # H200, real launches
+    python -m scripts.host_overhead --profile flash_mla_with_kvcache   # cProfile top entries
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+BATCH, HEADS, D, BLOCK, TOPK, SWA, ENTRY_BYTES = 64, 64, 512, 64, 512, 128, 584
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return self._call
+
+    @staticmethod
+    def _call(*args, **kwargs) -> None:
+        return None
+
+
+def stub_kernels() -> None:
+    """Replace the attention kernels by :class:`_NoLaunch` (host-only timing)."""
+    import dsv4attn.kernels.sparse_attn as k
+    import dsv4attn.kernels.sparse_attn_prefill as kp
+
+    k._sparse_mla_attn_kernel = _NoLaunch()
+    k._sparse_mla_combine_kernel = _NoLaunch()
+    kp._sparse_mla_prefill_kernel = _NoLaunch()
+
+
+def build_calls(device: torch.device) -> dict:
+    """The three entry points as zero-argument callables on the production shapes."""
+    import dsv4attn
+    from dsv4attn.ops.candidate_set import CandidateSet
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def slots(k: int, blocks: int) -> torch.Tensor:
+        return torch.randperm(blocks * BLOCK, generator=gen)[: BATCH * k].to(torch.int32).view(BATCH, 1, k).to(device)
+
+    blocks, eblocks = BATCH * TOPK // BLOCK, BATCH * SWA // BLOCK
+    # Zero bytes decode to finite values (scale 2^-127); the content does not change the time.
+    main = torch.zeros(blocks, BLOCK, ENTRY_BYTES, dtype=torch.uint8, device=device)
+    extra = torch.zeros(eblocks, BLOCK, ENTRY_BYTES, dtype=torch.uint8, device=device)
+    idx, eidx = slots(TOPK, blocks), slots(SWA, eblocks)
+    q = (torch.randn(BATCH, 1, HEADS, D, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    sink = torch.randn(HEADS, generator=gen).to(device)
+    meta, _ = dsv4attn.get_mla_metadata()
+    impl = "triton"
+
+    def with_kvcache():
+        return dsv4attn.flash_mla_with_kvcache(q, main.unsqueeze(-2), None, None, D, meta, softmax_scale=D**-0.5,
+                                               is_fp8_kvcache=True, indices=idx, attn_sink=sink,
+                                               extra_k_cache=extra.unsqueeze(-2), extra_indices_in_kvcache=eidx,
+                                               impl=impl)
+
+    full = dict(dtype=torch.int32, device=device)
+    sets = [CandidateSet(cache=main, lengths=torch.full((BATCH,), TOPK, **full), indices=idx[:, 0]),
+            CandidateSet(cache=extra, lengths=torch.full((BATCH,), SWA, **full), indices=eidx[:, 0])]
+    q3 = q[:, 0]
+
+    def op():
+        return dsv4attn.sparse_mla_attention(q3, sets, D**-0.5, sink, impl=impl)
+
+    kv = torch.zeros(BATCH * TOPK, 1, D, dtype=torch.bfloat16, device=device)
+    pidx = slots(TOPK, blocks)
+
+    def sparse_fwd():
+        return dsv4attn.flash_mla_sparse_fwd(q3, kv, pidx, D**-0.5, attn_sink=sink, impl=impl)
+
+    return {"flash_mla_with_kvcache": with_kvcache, "flash_mla_sparse_fwd": sparse_fwd,
+            "sparse_mla_attention": op}
+
+
+def time_us(fn, device: torch.device, calls: int, repeats: int) -> tuple[float, float]:
+    """Median and minimum over ``repeats`` of the mean wall time of ``calls`` back-to-back
+    calls (us); the minimum is the robust figure on a shared machine."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        fn()
+    sync()
+    per = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return statistics.median(per), min(per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--stub", action="store_true", help="no-op kernels (implied on CPU)")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", default=None, help="cProfile one entry point and print the top 25")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    stub = args.stub or device.type == "cpu"
+    if device.type == "cpu":
+        # impl="triton" on CPU needs Triton's interpreter flag; the stub keeps it from running.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if stub:
+        stub_kernels()
+    calls = build_calls(device)
+    mode = "stubbed kernels (host Python only)" if stub else "real launches, no sync in the loop"
+    print(f"device {device}, {mode}; B{BATCH} h{HEADS} {TOPK}+{SWA} candidates, fp8 pages", flush=True)
+    if args.profile:
+        fn = calls[args.profile]
+        for _ in range(10):
+            fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+    for name, fn in calls.items():
+        med, best = time_us(fn, device, args.calls, args.repeats)
+        print(f"{name:24s} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
