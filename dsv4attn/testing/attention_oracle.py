@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ def build_set(spec: SetSpec, num_tokens: int, token_to_req: list[int], layout: F
         lengths = [r(spec.width + 1) for _ in range(num_tokens)]
         if num_tokens > 1:
             lengths[0] = spec.width  # the full width crosses block and tile edges
-    i32 = dict(dtype=torch.int32)
+    i32: dict[str, Any] = dict(dtype=torch.int32)
     if spec.form == "range":
         num_reqs = max(token_to_req) + 1 if token_to_req else 1
         stream = [spec.width + 5 + r(bs) for _ in range(num_reqs)]
