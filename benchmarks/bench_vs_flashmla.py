@@ -3,7 +3,7 @@
 Decode rows: B requests of one query token, h heads; 512 compressed candidates (indices form,
 disjoint per token, block size 64) + 128 SWA candidates in a second cache (FlashMLA's
 ``extra_k_cache``), attention sink. Both caches are written once by
-``dsv4attn.quantize_fp8_ds_mla`` and handed to FlashMLA as ``torch.float8_e4m3fn`` views of
+``dsv4attn.kv_cache.layout.quantize_fp8_ds_mla`` and handed to FlashMLA as ``torch.float8_e4m3fn`` views of
 the same bytes; dsv4attn runs through its FlashMLA-compatible ``flash_mla_with_kvcache`` with
 the same arguments. Prefill rows: 4096 query tokens over a bf16 kv of 16384 rows, top-k 512 or
 2048 random rows per token, sink, through both libraries' ``flash_mla_sparse_fwd``; an extra
@@ -31,6 +31,7 @@ import torch
 import dsv4attn
 from benchmarks.common import Ceilings, median_us
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
+from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
 
 D = LAYOUT.head_dim  # 512
@@ -72,7 +73,7 @@ def fp8_cache(num_entries: int, device, gen) -> torch.Tensor:
     """``(blocks, BLOCK, 584)`` uint8 fp8_ds_mla view written by dsv4attn from random bf16 rows."""
     blocks = -(-num_entries // BLOCK)
     x = torch.randn(blocks, BLOCK, D, device=device, generator=gen).to(torch.bfloat16)
-    return dsv4attn.quantize_fp8_ds_mla(x)
+    return quantize_fp8_ds_mla(x)
 
 
 def disjoint_slots(num_tokens: int, k: int, capacity: int, device, gen) -> torch.Tensor:
@@ -181,7 +182,7 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
     if graphs:
         res.dsv4attn_graph_us = graph_us(ours)
     # The same rows as fp8_ds_mla pages, read directly by dsv4attn (no bf16 staging copy).
-    cache = dsv4attn.quantize_fp8_ds_mla(kv.view(-1, BLOCK, D))
+    cache = quantize_fp8_ds_mla(kv.view(-1, BLOCK, D))
     cset = CandidateSet(cache=cache, lengths=torch.full((s_q,), topk, dtype=torch.int32, device=device),
                         indices=idx[:, 0, :].contiguous())
 

@@ -93,8 +93,16 @@ def oracle(case):
     return torch.tensor(out, dtype=torch.float64).reshape(len(out), D)
 
 
+def _kernel_device(impl):
+    """The Triton path runs where kernels run: the GPU when there is one (the interpreter only
+    serves CPU tensors on machines without CUDA); cases are built on the CPU."""
+    return torch.device("cuda" if impl == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def run(case, impl, **kw):
-    return compressor_pool(**case, impl=impl, **kw)
+    dev = _kernel_device(impl)
+    args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    return compressor_pool(**args, impl=impl, **kw).cpu()
 
 
 CASES = [  # (N, D, bs, ratio, overlap)
@@ -151,21 +159,22 @@ def test_state_update_then_pool_equals_dense_compressor(ratio, overlap, impl):
     """State rows saved through write_compressor_state into a permuted paged cache, pooled by the
     op at every boundary, equal the Compressor's whole-sequence pooling of the same rows."""
     torch.manual_seed(0)
-    comp = Compressor(32, 24, ratio, overlap=overlap, eps=1e-6)
+    dev = _kernel_device(impl)
+    comp = Compressor(32, 24, ratio, overlap=overlap, eps=1e-6).to(dev)
     with torch.no_grad():
         comp.position_bias.normal_()
         T, bs = 5 * ratio + 3, 4
-        hidden = torch.randn(T, 32)
-        pos = torch.arange(T)
+        hidden = torch.randn(T, 32, device=dev)
+        pos = torch.arange(T, device=dev)
         cols = -(-T // bs)
         nb = cols + 3
-        table = torch.randperm(nb)[:cols].to(torch.int32)[None]
-        state = torch.full((nb, bs, comp.state_width), float("nan"))
+        table = torch.randperm(nb, device=dev)[:cols].to(torch.int32)[None]
+        state = torch.full((nb, bs, comp.state_width), float("nan"), device=dev)
         slots = table[0, pos // bs].long() * bs + pos % bs
         write_compressor_state(comp.kv_proj(hidden), comp.gate_proj(hidden), comp.position_bias.contiguous(),
                                pos, slots, state, impl=impl)
         bpos = torch.where((pos + 1) % ratio == 0, pos, -1)
-        got = comp.pool_paged(state, table, torch.zeros(T, dtype=torch.int32), bpos, impl=impl)
+        got = comp.pool_paged(state, table, torch.zeros(T, dtype=torch.int32, device=dev), bpos, impl=impl)
         rows = comp.state_rows(hidden, pos)
         n = T // ratio
         wpos = comp.window_positions(torch.arange(n))
@@ -204,8 +213,9 @@ def test_bad_input(mutate, err, match):
 def test_empty():
     c = _good()
     for impl in IMPLS:
-        out = compressor_pool(c["state_cache"], c["block_table"], c["token_to_req"][:0], c["positions"][:0], 4, True,
-                              impl=impl)
+        dev = _kernel_device(impl)
+        out = compressor_pool(c["state_cache"].to(dev), c["block_table"].to(dev), c["token_to_req"][:0].to(dev),
+                              c["positions"][:0].to(dev), 4, True, impl=impl)
         assert out.shape == (0, 16)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from dsv4attn.config import AttentionConfig, RopeConfig
 
-hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
+from dsv4attn.testing import hf_oracle  # noqa: E402 (after the transformers check)
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 

@@ -120,9 +120,18 @@ def oracle(case, topk):
     return out
 
 
+def _to_kernel_device(impl, tensors):
+    """The Triton path runs where kernels run: the GPU when there is one (the interpreter only
+    serves CPU tensors on machines without CUDA); cases are built on the CPU."""
+    dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
 def run(case, topk, impl, **kw):
-    args = {k: case[k] for k in ("q", "weights", "k_cache", "block_table", "token_to_req", "lengths")}
-    return indexer_topk(**args, topk=topk, impl=impl, **kw)
+    args = _to_kernel_device(impl, {k: case[k] for k in ("q", "weights", "k_cache", "block_table", "token_to_req",
+                                                         "lengths")})
+    idx, val = indexer_topk(**args, topk=topk, impl=impl, **kw)
+    return idx.cpu(), val.cpu()
 
 
 def check_exact(case, topk, idx, val):
@@ -212,9 +221,10 @@ def test_row_splits_give_the_same_result(splits):
     """Rows split over several programs (interleaved chunks, then a merge) give the single-program
     result exactly: the keys are unique, so the merge order cannot matter."""
     case = make_case(5, 4, 16, 4, "fp8", seed=12, exact=True, max_len=90, holes=2)
-    args = [case[k] for k in ("q", "weights", "k_cache", "block_table", "token_to_req", "lengths")]
-    one = _indexer_topk_triton(*args, 16, True, 1)
-    many = _indexer_topk_triton(*args, 16, True, splits)
+    args = list(_to_kernel_device("triton", {k: case[k] for k in ("q", "weights", "k_cache", "block_table",
+                                                                   "token_to_req", "lengths")}).values())
+    one = [x.cpu() for x in _indexer_topk_triton(*args, 16, True, 1)]
+    many = [x.cpu() for x in _indexer_topk_triton(*args, 16, True, splits)]
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
     check_exact(case, 16, *many)
 
@@ -237,8 +247,9 @@ def test_unchecked_values_are_masked_not_read():
 def test_empty_and_short_rows():
     case = make_case(1, 2, 16, 4, "bf16", seed=2, exact=True)
     for impl in IMPLS:
-        args = {k: case[k][:0] for k in ("q", "weights", "token_to_req", "lengths")}
-        idx, val = indexer_topk(k_cache=case["k_cache"], block_table=case["block_table"], topk=4, impl=impl, **args)
+        args = _to_kernel_device(impl, {k: case[k][:0] for k in ("q", "weights", "token_to_req", "lengths")}
+                                 | {k: case[k] for k in ("k_cache", "block_table")})
+        idx, val = indexer_topk(topk=4, impl=impl, **args)
         assert idx.shape == (0, 4) and val.shape == (0, 4)
 
 
@@ -277,11 +288,12 @@ def test_bad_topk_and_impl():
         run(c, 4, "fast")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: compiled fp32 dots use tf32 on GPUs, so "
+                    "bit-level parity with the fp32 reference is not expected there (GPU layer tests cover it)")
 def test_layer_step_triton_matches_reference():
     """A CSA layer through the runner with every op on the Triton path (interpreter) gives the
     reference path's outputs (fp32: attention itself runs the reference either way)."""
-    hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
-    pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from dsv4attn.testing import hf_oracle
     from dsv4attn.config import AttentionConfig
     from dsv4attn.layers.attention import DeepseekV4Attention
     from dsv4attn.layers.runner import AttentionRunner

@@ -15,7 +15,7 @@ from dsv4attn.layers.indexer import select_topk
 from dsv4attn.testing import assert_close_rel
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
+from dsv4attn.testing import hf_oracle  # noqa: E402 (after the transformers check)
 
 
 def _pair(layer_idx, seed=0, **overrides):
