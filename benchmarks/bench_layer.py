@@ -22,7 +22,7 @@ import torch
 from benchmarks.common import Ceilings, Row, base_parser, print_table
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 ENTRY_BYTES = 584
 

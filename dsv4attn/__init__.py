@@ -16,7 +16,7 @@ from dsv4attn.kv_cache.layout import (
     quantize_fp8_ds_mla,
 )
 from dsv4attn.kv_cache.specs import CacheConfig, CacheSpec, GroupSpec, cache_groups, layer_cache_specs, v4_flash_config
-from dsv4attn.layers import AttentionRunner, DeepseekV4Attention, LayerCaches, layer_step
+from dsv4attn.layers import DeepseekV4Attention
 from dsv4attn.metadata.batch import BatchMetadata, split_decodes_and_prefills
 from dsv4attn.metadata.builders import (
     CompressedMetadata,
@@ -37,6 +37,7 @@ from dsv4attn.ops.metadata import (
     get_compressed_slot_mapping,
 )
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.serving import AttentionRunner, LayerCaches, layer_step
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache, dequantize_indexer_k
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")

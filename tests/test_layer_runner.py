@@ -18,7 +18,7 @@ import torch
 from dsv4attn.config import AttentionConfig
 from dsv4attn.kv_cache.allocator import PoolExhaustedError
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
@@ -171,8 +171,8 @@ def test_bad_requests_raise_and_leave_others_intact(device):
         runner.step({"a": torch.zeros(1, HIDDEN + 1, device=dev)})
     with pytest.raises(TypeError):
         runner.step({"a": [1.0]})
-    hog = _runner(ours, device, num_blocks=8, max_model_len=64)
-    hog.step({"h1": torch.zeros(20, HIDDEN, device=dev)})  # 7 of 8 blocks (state blocks of 4 tokens)
+    hog = _runner(ours, device, num_blocks=1, max_model_len=64)
+    hog.step({"h1": torch.zeros(20, HIDDEN, device=dev)})  # the one compressed block
     with pytest.raises(PoolExhaustedError):
         hog.step({"h1": torch.zeros(1, HIDDEN, device=dev), "h2": torch.zeros(20, HIDDEN, device=dev)})
     assert hog.requests == ["h1"] and hog.seq_len("h1") == 20

@@ -108,3 +108,93 @@ def footprint_table(cfg: CacheConfig, contexts: tuple[int, ...] = (4096, 65536, 
         lines.append(f"| {label} | " + " | ".join(
             f"{dense_mla_bytes(cfg.num_layers, n, b) / gib:.3f} GiB" for n in contexts) + " |")
     return "\n".join(lines)
+
+
+# ---- sizing: memory by need ---------------------------------------------------------------
+def sliding_pool_blocks(group: GroupSpec, max_num_reqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks a sliding group's own pool needs so it can never run short: every live request
+    holds at most ``cdiv(W - 1 + c, bs) + 1`` blocks while ``c`` of its tokens are in flight
+    (``sliding_blocks_bound``), and the in-flight tokens of a step sum to at most
+    ``max_num_batched_tokens``: ``R * (cdiv(W - 1, bs) + 2) + cdiv(T, bs)``."""
+    assert group.kind == "sliding" and group.window is not None
+    bs = group.tokens_per_block
+    return max_num_reqs * (cdiv(group.window - 1, bs) + 2) + cdiv(max_num_batched_tokens, bs)
+
+
+def main_group(cfg: CacheConfig) -> GroupSpec:
+    """The group whose size grows with the context: ``full_mla`` (or ``swa`` in a model
+    without compressed layers, whose caches are all bounded by the window)."""
+    groups = cache_groups(cfg)
+    return next((g for g in groups if g.kind == "full"), groups[0])
+
+
+def plan_num_blocks(
+    cfg: CacheConfig, *, max_num_reqs: int, max_num_batched_tokens: int, max_model_len: int,
+    num_blocks: int | None = None, memory_bytes: int | None = None,
+) -> dict[str, int]:
+    """Blocks of every group's own pool (group name -> count), by each group's geometry.
+
+    Sliding groups get :func:`sliding_pool_blocks` (bounded by their window, never short). The
+    main group (:func:`main_group`) gets ``num_blocks`` if given, else what ``memory_bytes``
+    leaves after the sliding groups, else room for ``max_num_reqs`` requests of
+    ``max_model_len`` tokens. Raises ``ValueError`` when ``memory_bytes`` is too small.
+    """
+    for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("max_model_len", max_model_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_blocks is not None and memory_bytes is not None:
+        raise ValueError("give num_blocks or memory_bytes, not both")
+    main = main_group(cfg)
+    out: dict[str, int] = {}
+    fixed = 0
+    for g in cache_groups(cfg):
+        if g.kind == "sliding" and g.name != main.name:
+            out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens)
+            fixed += out[g.name] * g.page_bytes_per_block
+    if num_blocks is not None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        n = num_blocks
+    elif memory_bytes is not None:
+        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be a positive int, got {memory_bytes!r}")
+        n = (memory_bytes - fixed) // main.page_bytes_per_block
+        if n < 1:
+            raise ValueError(f"memory_bytes={memory_bytes} leaves no {main.name!r} block: the window-bounded "
+                             f"groups alone take {fixed} B for max_num_reqs={max_num_reqs}; raise memory_bytes "
+                             "or lower max_num_reqs / max_num_batched_tokens")
+    elif main.kind == "sliding":
+        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens)
+    else:
+        n = max_num_reqs * cdiv(max_model_len, main.tokens_per_block)
+    out[main.name] = n
+    return {g.name: out[g.name] for g in cache_groups(cfg)}
+
+
+def pool_bytes_by_group(cfg: CacheConfig, num_blocks: dict[str, int]) -> dict[str, int]:
+    """Bytes the caches of pools of ``num_blocks`` (group -> count) take, per group."""
+    return {g.name: num_blocks[g.name] * g.page_bytes_per_block for g in cache_groups(cfg)}
+
+
+def memory_for_requests(cfg: CacheConfig, num_requests: int, num_tokens: int, step_tokens: int = 1) -> int:
+    """Cache bytes ``num_requests`` requests of ``num_tokens`` tokens each need at once (every
+    one holding its whole context; sliding groups at their in-flight peak with ``step_tokens``
+    tokens per step): "how much for N requests of length L"."""
+    if num_requests < 0 or num_tokens < 1 or step_tokens < 1:
+        raise ValueError(f"need num_requests >= 0, num_tokens >= 1, step_tokens >= 1; got "
+                         f"{num_requests}, {num_tokens}, {step_tokens}")
+    per = 0
+    for g in cache_groups(cfg):
+        if g.kind == "full":
+            blocks = cdiv(num_tokens, g.tokens_per_block)
+        else:
+            blocks = min(cdiv(num_tokens, g.tokens_per_block),
+                         cdiv(g.window - 1 + step_tokens, g.tokens_per_block) + 1)
+        per += blocks * g.page_bytes_per_block
+    return num_requests * per
+
+
+def max_requests(cfg: CacheConfig, memory_bytes: int, num_tokens: int, step_tokens: int = 1) -> int:
+    """How many requests of ``num_tokens`` tokens fit in ``memory_bytes`` of cache at once."""
+    return memory_bytes // memory_for_requests(cfg, 1, num_tokens, step_tokens)

@@ -27,7 +27,7 @@ import torch
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.hf_oracle import hf_forward, hf_reference_layer, small_hf_config
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 #: Bytes of one fp8_ds_mla entry: a dense MLA cache stores one per token per layer.
 DENSE_ENTRY_BYTES = 584
