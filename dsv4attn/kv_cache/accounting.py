@@ -5,6 +5,11 @@ tokens hold in this model?" from the specs alone (no allocation): full groups ho
 ``cdiv(num_tokens, tokens_per_block)`` blocks, sliding groups only the blocks still visible to
 later tokens (the allocator's state after ``advance``). :func:`dense_mla_bytes` gives the
 comparison point: one 584 B (fp8_ds_mla) or 1024 B (bf16) entry per token per layer.
+
+Sizing (memory by need): :func:`plan_num_blocks` gives every cache group its own pool, sized by
+its geometry (window-bounded groups by the window and the live-request / step-token limits, the
+context-sized group by the budget); :func:`memory_for_requests` answers "how much for N requests
+of length L" and :func:`max_requests` "how many requests of length L fit in X bytes".
 """
 
 from __future__ import annotations
@@ -177,24 +182,38 @@ def pool_bytes_by_group(cfg: CacheConfig, num_blocks: dict[str, int]) -> dict[st
     return {g.name: num_blocks[g.name] * g.page_bytes_per_block for g in cache_groups(cfg)}
 
 
-def memory_for_requests(cfg: CacheConfig, num_requests: int, num_tokens: int, step_tokens: int = 1) -> int:
-    """Cache bytes ``num_requests`` requests of ``num_tokens`` tokens each need at once (every
-    one holding its whole context; sliding groups at their in-flight peak with ``step_tokens``
-    tokens per step): "how much for N requests of length L"."""
-    if num_requests < 0 or num_tokens < 1 or step_tokens < 1:
-        raise ValueError(f"need num_requests >= 0, num_tokens >= 1, step_tokens >= 1; got "
-                         f"{num_requests}, {num_tokens}, {step_tokens}")
-    per = 0
+def memory_for_requests(cfg: CacheConfig, num_requests: int, num_tokens: int, max_num_batched_tokens: int = 1) -> int:
+    """Cache bytes an engine needs so ``num_requests`` requests of ``num_tokens`` tokens each
+    are live at once ("how much for N requests of length L"): the main group holds every
+    request's whole context, the window-bounded groups their :func:`sliding_pool_blocks` for
+    ``max_num_reqs = num_requests`` and a step budget of ``max_num_batched_tokens``. Passing
+    the result as ``memory_bytes`` (with the same ``max_num_reqs`` and budget) gives exactly
+    room for the N requests."""
+    for name, v in (("num_requests", num_requests), ("num_tokens", num_tokens),
+                    ("max_num_batched_tokens", max_num_batched_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    main = main_group(cfg)
+    total = 0
     for g in cache_groups(cfg):
-        if g.kind == "full":
-            blocks = cdiv(num_tokens, g.tokens_per_block)
+        if g.name == main.name and g.kind == "full":
+            blocks = num_requests * cdiv(num_tokens, g.tokens_per_block)
         else:
-            blocks = min(cdiv(num_tokens, g.tokens_per_block),
-                         cdiv(g.window - 1 + step_tokens, g.tokens_per_block) + 1)
-        per += blocks * g.page_bytes_per_block
-    return num_requests * per
+            blocks = sliding_pool_blocks(g, num_requests, max_num_batched_tokens)
+        total += blocks * g.page_bytes_per_block
+    return total
 
 
-def max_requests(cfg: CacheConfig, memory_bytes: int, num_tokens: int, step_tokens: int = 1) -> int:
-    """How many requests of ``num_tokens`` tokens fit in ``memory_bytes`` of cache at once."""
-    return memory_bytes // memory_for_requests(cfg, 1, num_tokens, step_tokens)
+def max_requests(cfg: CacheConfig, memory_bytes: int, num_tokens: int, max_num_batched_tokens: int = 1) -> int:
+    """How many requests of ``num_tokens`` tokens fit at once in ``memory_bytes`` of cache (the
+    largest N with ``memory_for_requests(N, ...) <= memory_bytes``; 0 if not even one)."""
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
+    fixed = memory_for_requests(cfg, 1, num_tokens, max_num_batched_tokens)
+    per = memory_for_requests(cfg, 2, num_tokens, max_num_batched_tokens) - fixed  # cost of one more request
+    if memory_bytes < fixed:
+        return 0
+    n = 1 + (memory_bytes - fixed) // per
+    while n > 1 and memory_for_requests(cfg, n, num_tokens, max_num_batched_tokens) > memory_bytes:
+        n -= 1
+    return n
