@@ -116,6 +116,7 @@ class KVCacheManager:
         self._tables: dict[Hashable, dict[str, list[int]]] = {}
         self._num_tokens: dict[Hashable, int] = {}
         self._num_computed: dict[Hashable, int] = {}
+        self._reclaimed: dict[Hashable, dict[str, int]] = {}  # columns below are already NULL_BLOCK
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -190,6 +191,7 @@ class KVCacheManager:
         _count("num_tokens", num_tokens)
         self._raise_if_short(req_id, self.blocks_needed_by_group(None, num_tokens), num_tokens, "")
         self._tables[req_id] = {g.name: [] for g in self.groups}
+        self._reclaimed[req_id] = {g.name: 0 for g in self.groups}
         self._num_tokens[req_id] = 0
         self._num_computed[req_id] = 0
         self.grow(req_id, num_tokens)
@@ -250,10 +252,12 @@ class KVCacheManager:
         for g in self.groups:
             table = self._tables[req_id][g.name]
             ids = []
-            for c in range(min(self._first_live_col(g, num_computed), len(table))):
+            hi = min(self._first_live_col(g, num_computed), len(table))
+            for c in range(self._reclaimed[req_id][g.name], hi):
                 if table[c] != NULL_BLOCK:
                     ids.append(table[c])
                     table[c] = NULL_BLOCK
+            self._reclaimed[req_id][g.name] = max(hi, self._reclaimed[req_id][g.name])
             self.pools[g.name].give_back(ids)
             freed += len(ids)
         return freed
@@ -261,7 +265,7 @@ class KVCacheManager:
     def free(self, req_id: Hashable) -> int:
         """Forget ``req_id`` and return all its blocks to the pools; returns how many."""
         tables = self._tables.pop(self._check(req_id))
-        del self._num_tokens[req_id], self._num_computed[req_id]
+        del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id]
         n = 0
         for name, t in tables.items():
             ids = [b for b in t if b != NULL_BLOCK]
