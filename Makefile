@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m dsv4attn.demo
+	$(PY) -m dsv4attn generate --tiny 0 --check
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

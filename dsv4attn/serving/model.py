@@ -124,9 +124,9 @@ class PagedDeepseekV4:
         return plan
 
     @torch.no_grad()
-    def forward_step(self) -> torch.Tensor:
+    def forward_step(self, all_tokens: bool = False) -> torch.Tensor:
         """Run every layer on the open step; returns fp32 logits ``[R, vocab]`` of each request's
-        last new token, rows in ``plan.order``."""
+        last new token, rows in ``plan.order`` (``all_tokens``: ``[T, vocab]`` of every token)."""
         if self._ids is None:
             raise RuntimeError("forward_step() outside a step: call begin_step() first")
         plan = self.engine._plan
@@ -138,8 +138,9 @@ class PagedDeepseekV4:
                 h = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
                 for layer in hf_layers:
                     h = layer(h, input_ids=ids)
-            last = torch.tensor([o + n - 1 for o, n in plan.offsets().values()], device=self.device)
-            h = model.norm(model.hc_head(h[:, last]))
+            if not all_tokens:
+                h = h[:, torch.tensor([o + n - 1 for o, n in plan.offsets().values()], device=self.device)]
+            h = model.norm(model.hc_head(h))
             return self.hf_model.lm_head(h)[0].float()
         except BaseException:
             self.abort_step()
