@@ -68,6 +68,7 @@ class StepPlan:
     starts: tuple[int, ...]
     metadata: StepMetadata
     state_tables: Mapping[int, torch.Tensor]
+    bucket: int | None = None  # decode step padded to this CUDA-graph bucket (None: eager)
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +167,7 @@ class PagedAttentionEngine:
             num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,
             index_topk=cfg.index_topk, form="range",
         ), dev)
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
@@ -300,11 +302,27 @@ class PagedAttentionEngine:
         self._plan, self._grown, self._ran = plan, grown, set()
         return plan
 
+    def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
+        """Serve decode-only steps (every request one new token) through CUDA graphs captured per
+        batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
+        padded static steps eagerly. Other steps stay eager."""
+        from dsv4attn.serving.graphs import DecodeGraphs
+
+        if self._plan is not None:
+            raise RuntimeError("enable_cuda_graphs() inside a step")
+        self.graphs = DecodeGraphs(self, buckets, capture)
+
     def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
         order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > 1)  # decodes first (stable)
         qlens = [new_tokens[rid] for rid in order]
         seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
         dev, m = self.device, self.manager
+        bucket = self.graphs.bucket_for(len(order)) if self.graphs is not None and max(qlens) == 1 else None
+        if bucket is not None:
+            meta = self.graphs.prepare(order, seq_lens, bucket)
+            tables = {r: self.graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
+                            {r: t for r, t in tables.items() if t is not None}, bucket)
         tables = {META_SWA: m.block_table(order, GROUP_SWA, device=dev)}
         if GROUP_FULL_MLA in self.num_blocks:
             full = m.block_table(order, GROUP_FULL_MLA, device=dev)
@@ -334,6 +352,8 @@ class PagedAttentionEngine:
                              f"{tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
         layer = self.layers[i]
         self._ran.add(i)
+        if plan.bucket is not None:
+            return self.graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
                               plan.state_tables.get(layer.ratio), impl=self.impl)
