@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m dsv4attn.demo
+	$(PY) -m dsv4attn generate --tiny 0 --check
 
 test: $(STAMP)
 	$(PY) -m ruff check .

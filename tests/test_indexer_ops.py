@@ -296,7 +296,7 @@ def test_layer_step_triton_matches_reference():
     from dsv4attn.testing import hf_oracle
     from dsv4attn.config import AttentionConfig
     from dsv4attn.layers.attention import DeepseekV4Attention
-    from dsv4attn.layers.runner import AttentionRunner
+    from dsv4attn.serving.runner import AttentionRunner
 
     hf = hf_oracle.small_hf_config(compress_rates={"compressed_sparse_attention": 4,
                                                    "heavily_compressed_attention": 128})

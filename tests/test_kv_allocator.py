@@ -142,3 +142,66 @@ def test_manager_matches_accounting_for_a_model():
         m.advance(n, n)
         fp = request_footprint(cfg, n)
         assert manager_bytes(m, n) == {g.group: g.bytes for g in fp.groups}
+
+
+# ---- hardening: the pool refuses what it does not own ------------------------------------------
+def test_pool_refuses_negative_double_and_foreign_give_backs():
+    from dsv4attn.kv_cache.allocator import BlockPool
+
+    p = BlockPool(4)
+    with pytest.raises(ValueError, match="n must be"):
+        p.take(-1)
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(-2)
+    ids = p.take(2)
+    p.give_back(ids[:1])
+    for bad in ([ids[0]], [ids[1], ids[1]], [7], [-1], [3]):  # twice, duplicate, foreign, never handed out
+        with pytest.raises(ValueError):
+            p.give_back(bad)
+        assert p.num_free == 3
+    with pytest.raises(TypeError):
+        p.give_back(["1"])
+    p.give_back(ids[1:])
+    assert p.num_free == 4 and sorted(p._free) == [0, 1, 2, 3]
+
+
+def test_manager_refuses_none_ids_and_negative_counts():
+    m = KVCacheManager(GROUPS, 8)
+    with pytest.raises(ValueError, match="None"):
+        m.add_request(None, 3)
+    with pytest.raises(TypeError, match="hashable"):
+        m.add_request(["list"], 3)
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.add_request("a", -1)
+    m.add_request("a", 4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.grow("a", -5)
+    with pytest.raises(ValueError, match="num_computed"):
+        m.advance("a", -1)
+    assert m.requests == ["a"] and m.num_tokens("a") == 4 and m.pool.num_free + m.num_held("a") == 8
+
+
+def test_per_group_pools_and_truncate():
+    m = KVCacheManager(GROUPS, {"full": 2, "swa": 3, "state": 8, "wide": 5})
+    assert not m.shared_pool
+    with pytest.raises(ValueError, match="one pool per group"):
+        _ = m.pool
+    m.add_request("a", 8)
+    assert {g: m.num_held("a", g) for g in ("full", "swa", "state", "wide")} == {"full": 1, "swa": 2, "state": 4,
+                                                                             "wide": 2}
+    with pytest.raises(PoolExhaustedError, match="'swa'"):  # full would fit; swa (3 blocks) not
+        m.grow("a", 16)
+    assert m.num_tokens("a") == 8
+    m.advance("a", 8)
+    m.grow("a", 12)
+    held = m.num_held("a")
+    freed = m.truncate("a", 9)  # undo the grow down to 9 tokens: as if grown to 9 only
+    assert freed > 0 and m.num_held("a") == held - freed and m.num_tokens("a") == 9
+    for g in m.groups:
+        assert m.num_held("a", g.name) == blocks_held(g, 8, 1)
+    with pytest.raises(ValueError):
+        m.truncate("a", 7)  # below the computed count
+    m.free("a")
+    assert {g: p.num_free for g, p in m.pools.items()} == {"full": 2, "swa": 3, "state": 8, "wide": 5}
+    with pytest.raises(ValueError, match="name exactly"):
+        KVCacheManager(GROUPS, {"full": 2})

@@ -20,7 +20,7 @@ import torch
 
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 from dsv4attn.testing import assert_within_reference_error
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")

@@ -18,7 +18,7 @@ import torch
 from dsv4attn.config import AttentionConfig
 from dsv4attn.kv_cache.allocator import PoolExhaustedError
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from dsv4attn.testing import hf_oracle  # noqa: E402 (after the transformers check)
@@ -130,10 +130,11 @@ def test_interleaved_requests_equal_reference(layer_idx, kind, r, device):
     lens = [290, 140, 260, 40, 130] if kind == "hca" else [37, 1, 61, 9, 24, 50]
     seqs = {f"r{i}": torch.randn(n, HIDDEN, generator=g) for i, n in enumerate(lens)}
     runner = _runner(ours, device)
+    free0 = {g: p.num_free for g, p in runner.manager.pools.items()}
     got = _interleave(runner, seqs, random.Random(layer_idx), max(r, 4))
     for k, x in seqs.items():
         _close(got[k], hf_oracle.hf_forward(ref, x), skip=ours.topk_ambiguous(x.to(runner.device)))
-    assert runner.requests == [] and runner.num_free_blocks == 96
+    assert runner.requests == [] and {g: p.num_free for g, p in runner.manager.pools.items()} == free0
 
 
 def test_outputs_do_not_depend_on_batch_or_chunking(device):
@@ -171,8 +172,8 @@ def test_bad_requests_raise_and_leave_others_intact(device):
         runner.step({"a": torch.zeros(1, HIDDEN + 1, device=dev)})
     with pytest.raises(TypeError):
         runner.step({"a": [1.0]})
-    hog = _runner(ours, device, num_blocks=8, max_model_len=64)
-    hog.step({"h1": torch.zeros(20, HIDDEN, device=dev)})  # 7 of 8 blocks (state blocks of 4 tokens)
+    hog = _runner(ours, device, num_blocks=1, max_model_len=64)
+    hog.step({"h1": torch.zeros(20, HIDDEN, device=dev)})  # the one compressed block
     with pytest.raises(PoolExhaustedError):
         hog.step({"h1": torch.zeros(1, HIDDEN, device=dev), "h2": torch.zeros(20, HIDDEN, device=dev)})
     assert hog.requests == ["h1"] and hog.seq_len("h1") == 20

@@ -9,7 +9,7 @@ import torch
 
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from dsv4attn.testing import hf_oracle  # noqa: E402 (after the transformers check)

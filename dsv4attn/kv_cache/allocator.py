@@ -1,10 +1,14 @@
-"""Block allocation: one shared pool of block ids, one block table per (request, group).
+"""Block allocation: block-id pools and one block table per (request, group).
 
-Block ids come from a single :class:`BlockPool` shared by every group, so caches of different
-groups that share a physical tensor (vLLM's page-size sharing, dsv4-system.md 3.3) never see the
-same id twice. Column ``c`` of a request's table in a group covers raw positions
-``[c * tokens_per_block, (c + 1) * tokens_per_block)``; entry ``e`` of a cache with ``block_size``
-stored entries per block is at column ``e // block_size``.
+Column ``c`` of a request's table in a group covers raw positions ``[c * tokens_per_block,
+(c + 1) * tokens_per_block)``; entry ``e`` of a cache with ``block_size`` stored entries per
+block is at column ``e // block_size``.
+
+Pools: ``KVCacheManager(groups, num_blocks)`` with an int draws every group's ids from ONE
+shared :class:`BlockPool` (caches of different groups that share a physical tensor never see
+the same id twice, dsv4-system.md 3.3); with a mapping ``group -> count`` every group has its
+own pool, sized by its own geometry ("memory by need": sliding groups bounded by their window,
+the full group by the context; see :mod:`dsv4attn.kv_cache.accounting` for the sizing).
 
 - Full groups grow with the sequence: ``cdiv(num_tokens, tokens_per_block)`` columns.
 - Sliding groups (window ``W`` raw positions) free the columns no future token can read: after
@@ -13,12 +17,13 @@ stored entries per block is at column ``e // block_size``.
   columns keep their place and hold :data:`NULL_BLOCK` (-1), so column indices never shift.
 
 Every mutating call either succeeds completely or raises and changes nothing
-(:class:`PoolExhaustedError` when the pool is short; the check covers all groups at once).
+(:class:`PoolExhaustedError` when a pool is short; the check covers all groups at once). Pools
+refuse negative counts, ids they did not hand out and a second give-back of the same id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -32,19 +37,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _count(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return v
+
+
 class PoolExhaustedError(RuntimeError):
-    """Raised when a request needs more blocks than the pool has free; nothing was changed."""
+    """Raised when a request needs more blocks than a pool has free; nothing was changed."""
 
 
 class BlockPool:
-    """A free list of block ids ``0 .. num_blocks-1`` shared by all groups."""
+    """A free list of block ids ``0 .. num_blocks-1``; tracks which ids are handed out."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        self.num_blocks = num_blocks
+        self.num_blocks = _count("num_blocks", num_blocks)
         # Pop from the end: low ids are handed out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._taken: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -52,27 +62,42 @@ class BlockPool:
 
     def take(self, n: int) -> list[int]:
         """Remove and return ``n`` free ids; raises (changing nothing) if fewer are free."""
+        _count("n", n)
         if n > len(self._free):
             raise PoolExhaustedError(f"need {n} blocks, only {len(self._free)} of {self.num_blocks} free")
         if n == 0:
             return []
         ids = self._free[-n:][::-1]
         del self._free[-n:]
+        self._taken.update(ids)
         return ids
 
     def give_back(self, ids: Sequence[int]) -> None:
-        self._free.extend(reversed(list(ids)))
+        """Return ids handed out by :meth:`take`. Refuses (changing nothing) ids this pool never
+        handed out, ids already given back and duplicates within ``ids``."""
+        ids = list(ids)
+        seen: set[int] = set()
+        for b in ids:
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise TypeError(f"block ids must be ints, got {type(b).__name__}")
+            if b in seen or b not in self._taken:
+                what = "given back twice" if (b in seen or 0 <= b < self.num_blocks) else "not a block id of this pool"
+                raise ValueError(f"block id {b} {what} (pool of {self.num_blocks}); nothing was returned")
+            seen.add(b)
+        self._taken.difference_update(ids)
+        self._free.extend(reversed(ids))
 
 
 class KVCacheManager:
-    """Per-request block tables for every group of a model, over one :class:`BlockPool`.
+    """Per-request block tables for every group of a model.
 
-    ``groups``: the allocation groups (e.g. ``cache_groups(cfg)``). Requests are keyed by any
-    hashable id. State per request and group: a list of block ids (``NULL_BLOCK`` where freed),
-    the number of tokens allocated for and the number of tokens computed.
+    ``groups``: the allocation groups (e.g. ``cache_groups(cfg)``); ``num_blocks``: an int (one
+    pool shared by all groups) or ``{group name: blocks}`` (one pool per group, every group
+    named). Requests are keyed by any hashable id except ``None``. State per request and group:
+    a list of block ids (``NULL_BLOCK`` where freed), tokens allocated for, tokens computed.
     """
 
-    def __init__(self, groups: Sequence[GroupSpec], num_blocks: int) -> None:
+    def __init__(self, groups: Sequence[GroupSpec], num_blocks: int | Mapping[str, int]) -> None:
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ValueError(f"group names must be unique, got {names}")
@@ -80,12 +105,31 @@ class KVCacheManager:
             if g.kind == "sliding" and (g.window is None or g.window <= 0):
                 raise ValueError(f"sliding group {g.name!r} needs a positive window, got {g.window}")
         self.groups = list(groups)
-        self.pool = BlockPool(num_blocks)
+        if isinstance(num_blocks, Mapping):
+            if set(num_blocks) != set(names):
+                raise ValueError(f"num_blocks must name exactly the groups {names}, got {sorted(num_blocks)}")
+            self.pools = {n: BlockPool(_count(f"num_blocks[{n!r}]", num_blocks[n])) for n in names}
+            self._shared: BlockPool | None = None
+        else:
+            self._shared = BlockPool(_count("num_blocks", num_blocks))
+            self.pools = {n: self._shared for n in names}
         self._tables: dict[Hashable, dict[str, list[int]]] = {}
         self._num_tokens: dict[Hashable, int] = {}
         self._num_computed: dict[Hashable, int] = {}
+        self._reclaimed: dict[Hashable, dict[str, int]] = {}  # columns below are already NULL_BLOCK
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def pool(self) -> BlockPool:
+        """The shared pool (only when built with an int ``num_blocks``)."""
+        if self._shared is None:
+            raise ValueError("this manager has one pool per group: use manager.pools[group]")
+        return self._shared
+
+    @property
+    def shared_pool(self) -> bool:
+        return self._shared is not None
+
     def __contains__(self, req_id: Hashable) -> bool:
         return req_id in self._tables
 
@@ -109,85 +153,125 @@ class KVCacheManager:
         names = [self._group(group).name] if group is not None else list(tables)
         return sum(1 for n in names for b in tables[n] if b != NULL_BLOCK)
 
-    def blocks_needed(self, req_id: Hashable | None, num_tokens: int) -> int:
-        """Blocks a grow to ``num_tokens`` would take from the pool (``None``: a new request)."""
+    def blocks_needed_by_group(self, req_id: Hashable | None, num_tokens: int) -> dict[str, int]:
+        """Blocks per group a grow to ``num_tokens`` would take (``None``: a new request)."""
         have = self._tables.get(req_id) if req_id is not None else None
-        total = 0
+        out = {}
         for g in self.groups:
             cur = len(have[g.name]) if have is not None else 0
             lo = self._first_live_col(g, self._num_computed.get(req_id, 0)) if have is not None else 0
-            total += max(0, cdiv(num_tokens, g.tokens_per_block) - max(cur, lo))
-        return total
+            out[g.name] = max(0, cdiv(num_tokens, g.tokens_per_block) - max(cur, lo))
+        return out
+
+    def blocks_needed(self, req_id: Hashable | None, num_tokens: int) -> int:
+        """Blocks a grow to ``num_tokens`` would take from the pool(s) in all (``None``: new)."""
+        return sum(self.blocks_needed_by_group(req_id, num_tokens).values())
+
+    def shortfall(self, demand: Mapping[str, int]) -> list[tuple[str, int, BlockPool]]:
+        """Groups whose pool cannot serve ``demand`` (group -> blocks; groups sharing a pool
+        are summed): ``[(group(s), need, pool)]``, empty when everything fits."""
+        by_pool: dict[int, tuple[list[str], int, BlockPool]] = {}
+        for name, n in demand.items():
+            p = self.pools[name]
+            names, need, _ = by_pool.get(id(p), ([], 0, p))
+            by_pool[id(p)] = (names + [name], need + n, p)
+        return [("+".join(names), need, p) for names, need, p in by_pool.values() if need > p.num_free]
 
     # ---- mutations ---------------------------------------------------------------------
     def add_request(self, req_id: Hashable, num_tokens: int = 0) -> None:
         """Register ``req_id`` and allocate for its first ``num_tokens`` tokens (all or nothing)."""
+        if req_id is None:
+            raise ValueError("request id must not be None")
+        try:
+            hash(req_id)
+        except TypeError:
+            raise TypeError(f"request id must be hashable, got {type(req_id).__name__}") from None
         if req_id in self._tables:
             raise ValueError(f"request {req_id!r} already exists")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        need = self.blocks_needed(None, num_tokens)
-        if need > self.pool.num_free:
-            raise PoolExhaustedError(
-                f"request {req_id!r} needs {need} blocks for {num_tokens} tokens, "
-                f"only {self.pool.num_free} of {self.pool.num_blocks} free"
-            )
+        _count("num_tokens", num_tokens)
+        self._raise_if_short(req_id, self.blocks_needed_by_group(None, num_tokens), num_tokens, "")
         self._tables[req_id] = {g.name: [] for g in self.groups}
+        self._reclaimed[req_id] = {g.name: 0 for g in self.groups}
         self._num_tokens[req_id] = 0
         self._num_computed[req_id] = 0
         self.grow(req_id, num_tokens)
 
     def grow(self, req_id: Hashable, num_tokens: int) -> None:
         """Make every group cover raw positions ``0 .. num_tokens-1`` (sliding groups: only the
-        still-visible ones). Shrinking is not allowed; raises :class:`PoolExhaustedError`
-        without changing anything when the pool is short."""
+        still-visible ones). Shrinking is not allowed (see :meth:`truncate`); raises
+        :class:`PoolExhaustedError` without changing anything when a pool is short."""
         self._check(req_id)
+        _count("num_tokens", num_tokens)
         if num_tokens < self._num_tokens[req_id]:
             raise ValueError(f"num_tokens {num_tokens} < current {self._num_tokens[req_id]} for {req_id!r}")
-        need = self.blocks_needed(req_id, num_tokens)
-        if need > self.pool.num_free:
-            raise PoolExhaustedError(
-                f"request {req_id!r} needs {need} more blocks to reach {num_tokens} tokens, "
-                f"only {self.pool.num_free} of {self.pool.num_blocks} free"
-            )
-        ids = iter(self.pool.take(need))
+        need = self.blocks_needed_by_group(req_id, num_tokens)
+        self._raise_if_short(req_id, need, num_tokens, "more ")
         tables = self._tables[req_id]
         for g in self.groups:
+            ids = iter(self.pools[g.name].take(need[g.name]))
             table = tables[g.name]
             want = cdiv(num_tokens, g.tokens_per_block)
             lo = self._first_live_col(g, self._num_computed[req_id])
             while len(table) < want:
                 table.append(next(ids) if len(table) >= lo else NULL_BLOCK)
-        assert next(ids, None) is None
+            assert next(ids, None) is None
         self._num_tokens[req_id] = num_tokens
+
+    def truncate(self, req_id: Hashable, num_tokens: int) -> int:
+        """Undo a grow: keep columns for raw positions ``0 .. num_tokens-1`` only and return the
+        blocks past them. ``num_tokens`` must be >= the computed count (tokens already in the
+        caches stay). Returns the number of blocks given back."""
+        self._check(req_id)
+        _count("num_tokens", num_tokens)
+        if not self._num_computed[req_id] <= num_tokens <= self._num_tokens[req_id]:
+            raise ValueError(f"num_tokens must be in [{self._num_computed[req_id]}, {self._num_tokens[req_id]}] "
+                             f"for {req_id!r}, got {num_tokens}")
+        freed = 0
+        for g in self.groups:
+            table = self._tables[req_id][g.name]
+            keep = cdiv(num_tokens, g.tokens_per_block)
+            ids = [b for b in table[keep:] if b != NULL_BLOCK]
+            self.pools[g.name].give_back(ids)
+            del table[keep:]
+            freed += len(ids)
+        self._num_tokens[req_id] = num_tokens
+        return freed
 
     def advance(self, req_id: Hashable, num_computed: int) -> int:
         """Record that tokens ``0 .. num_computed-1`` are in the caches; sliding groups return
         the blocks no later token can read. Returns the number of blocks freed."""
         self._check(req_id)
+        _count("num_computed", num_computed)
         if not self._num_computed[req_id] <= num_computed <= self._num_tokens[req_id]:
             raise ValueError(
                 f"num_computed must be in [{self._num_computed[req_id]}, {self._num_tokens[req_id]}] "
                 f"for {req_id!r}, got {num_computed}"
             )
         self._num_computed[req_id] = num_computed
-        freed: list[int] = []
+        freed = 0
         for g in self.groups:
             table = self._tables[req_id][g.name]
-            for c in range(min(self._first_live_col(g, num_computed), len(table))):
+            ids = []
+            hi = min(self._first_live_col(g, num_computed), len(table))
+            for c in range(self._reclaimed[req_id][g.name], hi):
                 if table[c] != NULL_BLOCK:
-                    freed.append(table[c])
+                    ids.append(table[c])
                     table[c] = NULL_BLOCK
-        self.pool.give_back(freed)
-        return len(freed)
+            self._reclaimed[req_id][g.name] = max(hi, self._reclaimed[req_id][g.name])
+            self.pools[g.name].give_back(ids)
+            freed += len(ids)
+        return freed
 
     def free(self, req_id: Hashable) -> int:
-        """Forget ``req_id`` and return all its blocks to the pool; returns how many."""
+        """Forget ``req_id`` and return all its blocks to the pools; returns how many."""
         tables = self._tables.pop(self._check(req_id))
-        del self._num_tokens[req_id], self._num_computed[req_id]
-        ids = [b for t in tables.values() for b in t if b != NULL_BLOCK]
-        self.pool.give_back(ids)
-        return len(ids)
+        del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id]
+        n = 0
+        for name, t in tables.items():
+            ids = [b for b in t if b != NULL_BLOCK]
+            self.pools[name].give_back(ids)
+            n += len(ids)
+        return n
 
     # ---- export ---------------------------------------------------------------------------
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
@@ -197,16 +281,26 @@ class KVCacheManager:
         keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
+        skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
         longest = max((len(r) for r in rows), default=0)
         width = longest if width is None else width
         if width < longest:
             raise ValueError(f"width {width} < longest {g.name} block table ({longest} columns)")
         out = torch.full((len(rows), width), NULL_BLOCK, dtype=torch.int32)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        for i, (row, lo) in enumerate(zip(rows, skip)):
+            if len(row) > lo:  # host work per row: its live columns only (sliding groups: a few)
+                out[i, lo: len(row)] = torch.tensor(row[lo:], dtype=torch.int32)
         return out.to(device)
 
     # ---- helpers --------------------------------------------------------------------------
+    def _raise_if_short(self, req_id: Hashable, need: Mapping[str, int], num_tokens: int, more: str) -> None:
+        short = self.shortfall(need)
+        if short:
+            name, n, p = short[0]
+            raise PoolExhaustedError(
+                f"request {req_id!r} needs {n} {more}blocks of group {name!r} to reach {num_tokens} tokens, "
+                f"only {p.num_free} of {p.num_blocks} free")
+
     @staticmethod
     def _first_live_col(g: GroupSpec, num_computed: int) -> int:
         """First column a future token may read (0 for full groups)."""

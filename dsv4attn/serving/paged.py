@@ -1,4 +1,8 @@
-"""One step of a DeepSeek-V4 attention layer over paged caches, for a whole batch at once.
+"""One step of one DeepSeek-V4 attention layer over paged caches, for a whole batch at once.
+
+Called by :class:`dsv4attn.serving.engine.PagedAttentionEngine` for every layer of a step (the
+step's metadata is built once by the engine and shared by all layers). No host sync and no
+shape that depends on a context length: CUDA graphs capture it as is (``serving.graphs``).
 
 The batch is flat: ``T`` tokens of ``R`` requests (decodes first), described by the step's
 ``BatchMetadata`` / ``StepMetadata`` (``dsv4attn.metadata``). Order within the step (all cache

@@ -1,0 +1,27 @@
+"""Serving DeepSeek-V4 over the paged backend.
+
+- :class:`PagedAttentionEngine` (``engine``): the per-step API for a stack of attention layers
+  (begin a step for {request: new tokens}, run layer i, end the step, free a request); metadata
+  built once per step and shared by every layer.
+- :class:`AttentionRunner` (``runner``): one layer, ``step({request: hidden rows})``.
+- :func:`layer_step` / :class:`LayerCaches` (``paged``): one layer's batched step over its caches.
+- :class:`PagedDeepseekV4` (``model``): a transformers ``DeepseekV4ForCausalLM`` with every
+  attention module on the engine; greedy ``generate`` with continuous batching.
+- ``cli`` / ``layer_demo`` / ``metadata_demo``: the jobs behind ``python -m dsv4attn`` (``generate``,
+  ``layer-demo``, ``metadata-demo``); ``scheduler``, ``graphs``, ``tiny``: see their docstrings.
+"""
+
+from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan
+from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
+from dsv4attn.serving.paged import LayerCaches, layer_step
+from dsv4attn.serving.runner import AttentionRunner
+
+__all__ = [
+    "AttentionRunner",
+    "LayerCaches",
+    "PagedAttentionEngine",
+    "PagedDeepseekV4",
+    "StepPlan",
+    "layer_step",
+    "reference_generate",
+]

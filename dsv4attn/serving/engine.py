@@ -1,0 +1,379 @@
+"""PagedAttentionEngine: the per-step API that serves every attention layer of a model at once.
+
+One engine owns the paged caches of a stack of ``DeepseekV4Attention`` layers, one
+``KVCacheManager`` (one block table per request per cache group, one pool per group sized by
+that group's geometry: :func:`dsv4attn.kv_cache.accounting.plan_num_blocks`) and one
+``StepMetadataBuilder``. A step is::
+
+    plan = engine.begin_step({"a": 17, "b": 1})   # request -> new tokens; validates, allocates,
+                                                  # builds the metadata ONCE for all layers
+    out_i = engine.run_layer(i, hidden_i)         # [plan.num_tokens, hidden] in plan.order
+    engine.end_step()                             # tokens are now in the caches
+    engine.free("a")
+
+``begin_step`` checks everything (ids, counts, limits, every group's pool) before it takes a
+block, and undoes its allocation if building the metadata fails, so a refused step changes
+nothing. Between ``begin_step`` and ``end_step`` the caller runs every layer once, in any order
+(layers do not read each other's caches). ``abort_step`` gives the step's blocks back instead.
+
+The single-layer :class:`dsv4attn.serving.runner.AttentionRunner` and the model wrapper
+:class:`dsv4attn.serving.model.PagedDeepseekV4` are both thin clients of this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4attn.device import resolve_impl
+from dsv4attn.kv_cache.accounting import main_group, plan_num_blocks
+from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError
+from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
+from dsv4attn.kv_cache.specs import (
+    GROUP_C4_STATE,
+    GROUP_C128_STATE,
+    GROUP_FULL_MLA,
+    GROUP_SWA,
+    CacheConfig,
+    cache_groups,
+    layer_cache_specs,
+)
+from dsv4attn.layers.attention import DeepseekV4Attention
+from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
+from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
+from dsv4attn.serving.paged import LayerCaches, layer_step
+
+KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+#: Ratios the paged caches and metadata support (vLLM accepts only these).
+PAGED_RATIOS = (1, 4, 128)
+_STATE_GROUP = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
+
+
+def _positive(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What ``begin_step`` decided: batch order (decodes first), per-request new tokens and
+    tokens before the step, each request's token rows ``[offset, offset + n)`` of the step."""
+
+    order: tuple[Hashable, ...]
+    query_lens: tuple[int, ...]
+    starts: tuple[int, ...]
+    metadata: StepMetadata
+    state_tables: Mapping[int, torch.Tensor]
+    bucket: int | None = None  # decode step padded to this CUDA-graph bucket (None: eager)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def offsets(self) -> dict[Hashable, tuple[int, int]]:
+        """request -> (first row, rows) in the step's flat token order."""
+        out, t0 = {}, 0
+        for rid, n in zip(self.order, self.query_lens):
+            out[rid] = (t0, n)
+            t0 += n
+        return out
+
+    def positions(self) -> torch.Tensor:
+        """int64 [T] (host) position of every token of the step."""
+        return self.metadata.batch.positions_cpu
+
+
+class PagedAttentionEngine:
+    """Serves ``layers`` (one model's attention stack, all one ``AttentionConfig``) over paged caches.
+
+    Args:
+        layers: ``DeepseekV4Attention`` modules; ``layers[i]`` is run by ``run_layer(i, ...)``
+            (parameter dtype = compute dtype, float32 or bfloat16; all on ``device``).
+        kv_cache_dtype: "auto" (cache rows in the layer dtype) or "fp8_ds_mla".
+        num_blocks: blocks of the context-sized group (``full_mla``: 256-token columns of the
+            compressed caches); the window-bounded groups are sized from ``max_num_reqs`` /
+            ``max_num_batched_tokens`` and never run short (in a model of sliding layers only,
+            num_blocks sizes the SWA group instead). ``memory_bytes``: a cache budget instead
+            (what the window groups leave goes to the full group).
+            Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
+        max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
+        max_model_len: per-request limit. impl: kernel path of every op.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[DeepseekV4Attention],
+        kv_cache_dtype: str = "auto",
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        device: torch.device | str | None = None,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 65536,
+        max_num_reqs: int = 256,
+        impl: str = "auto",
+    ) -> None:
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers must hold at least one DeepseekV4Attention")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, DeepseekV4Attention):
+                raise TypeError(f"layers[{i}] must be a DeepseekV4Attention, got {type(layer).__name__}")
+            if layer.ratio not in PAGED_RATIOS:
+                raise ValueError(f"paged caches support compress ratios {PAGED_RATIOS}, layers[{i}] has {layer.ratio}")
+            if layer.config is not layers[0].config and layer.config != layers[0].config:
+                raise ValueError(f"layers[{i}] has a different AttentionConfig from layers[0]")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
+                        ("max_num_reqs", max_num_reqs)):
+            _positive(name, v)
+        cfg = layers[0].config
+        pdev = layers[0].sinks.device
+        dev = torch.device(device) if device is not None else pdev
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        dtype = layers[0].sinks.dtype
+        for i, layer in enumerate(layers):
+            if layer.sinks.device != dev:
+                raise ValueError(f"layers[{i}] parameters are on {layer.sinks.device}, engine device is {dev}")
+            if layer.sinks.dtype != dtype:
+                raise ValueError(f"layers[{i}] is {layer.sinks.dtype}, layers[0] is {dtype}: one dtype per engine")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"layer dtype must be float32 or bfloat16, got {dtype}")
+        self.impl = resolve_impl(impl, dev) if dev.type != "meta" else "reference"  # refuses a bad path now
+        self.layers, self.device, self.dtype = layers, dev, dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.max_model_len, self.max_num_reqs = max_model_len, max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache_config = CacheConfig(
+            compress_ratios=tuple(layer.ratio for layer in layers), head_dim=cfg.head_dim, rope_dim=cfg.rope_dim,
+            index_head_dim=cfg.index_head_dim, sliding_window=cfg.window_size, kv_cache_dtype=kv_cache_dtype,
+        )
+        self.num_blocks = plan_num_blocks(
+            self.cache_config, max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes)
+        self.main_group = main_group(self.cache_config).name
+        self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks)
+        self.caches = [self._alloc_caches(i) for i in range(len(layers))]
+        ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
+        swa_bs = self.cache_config.swa_block_size
+        nb = {g: self.num_blocks[g] for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
+        self.builder = StepMetadataBuilder(MetadataConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+            num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,
+            index_topk=cfg.index_topk, form="range",
+        ), dev)
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        self._plan: StepPlan | None = None
+        self._grown: list[tuple[Hashable, int | None]] = []
+        self._ran: set[int] = set()
+
+    def _alloc_caches(self, i: int) -> LayerCaches:
+        layer, cfg, dev, kcd = self.layers[i], self.layers[i].config, self.device, self.kv_cache_dtype
+        specs = {s.name: s for s in layer_cache_specs(self.cache_config, i)}
+        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim) if kcd == "fp8_ds_mla" else None
+
+        def kv_cache(n: int, block_size: int) -> torch.Tensor:
+            if kcd == "fp8_ds_mla":
+                return alloc_fp8_ds_mla_cache(n, block_size, layout, device=dev)
+            return torch.zeros(n, block_size, cfg.head_dim, dtype=self.dtype, device=dev)
+
+        def state(name: str) -> torch.Tensor:
+            s = specs[name]
+            return torch.zeros(self.num_blocks[s.group], s.block_size, *s.row_shape, dtype=torch.float32, device=dev)
+
+        caches = LayerCaches(kcd, layout, swa=kv_cache(self.num_blocks[GROUP_SWA], specs["swa_kv"].block_size))
+        if layer.ratio > 1:
+            nf = self.num_blocks[GROUP_FULL_MLA]
+            caches.compressed = kv_cache(nf, specs["compressed_kv"].block_size)
+            caches.state = state("compressor_state")
+        if layer.ratio == 4:
+            bs = specs["indexer_k"].block_size
+            if kcd == "fp8_ds_mla":
+                caches.indexer_k = alloc_indexer_k_cache(nf, bs, cfg.index_head_dim, device=dev)
+            else:
+                caches.indexer_k = torch.zeros(nf, bs, cfg.index_head_dim, dtype=self.dtype, device=dev)
+            caches.indexer_state = state("indexer_compressor_state")
+        return caches
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @property
+    def requests(self) -> list[Hashable]:
+        """Ids of the live requests."""
+        return self.manager.requests
+
+    def seq_len(self, request_id: Hashable) -> int:
+        """Tokens of ``request_id`` already in the caches (``KeyError`` if unknown)."""
+        return self.manager.num_computed(request_id)
+
+    def num_free_blocks(self, group: str | None = None) -> int:
+        """Free blocks of ``group``'s pool (default: the context-sized main group)."""
+        return self.manager.pools[group or self.main_group].num_free
+
+    def cache_bytes(self) -> int:
+        """Bytes of every cache tensor the engine allocated (storage, padding included)."""
+        total = 0
+        for c in self.caches:
+            for t in (c.swa, c.compressed, c.indexer_k, c.state, c.indexer_state):
+                if t is not None:
+                    total += t.untyped_storage().nbytes()
+        return total
+
+    def free(self, request_id: Hashable) -> None:
+        """Release a request's blocks; ``KeyError`` for an unknown id (not during a step)."""
+        if self._plan is not None:
+            raise RuntimeError("free() inside a step: call end_step() or abort_step() first")
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        self.manager.free(request_id)
+
+    @property
+    def in_step(self) -> bool:
+        return self._plan is not None
+
+    # ---- one step ----------------------------------------------------------------------------
+    def check_step(self, new_tokens: Mapping[Hashable, int]) -> dict[Hashable, int]:
+        """Validate a step without changing anything; returns request -> tokens before the step.
+
+        Raises TypeError/ValueError (bad ids, counts, limits) or PoolExhaustedError (naming the
+        short group and what to set)."""
+        if self._plan is not None:
+            raise RuntimeError("a step is already open: call end_step() or abort_step() first")
+        if not isinstance(new_tokens, Mapping):
+            raise TypeError(f"new_tokens must be a dict request_id -> int, got {type(new_tokens).__name__}")
+        starts: dict[Hashable, int] = {}
+        total = 0
+        new = 0
+        demand: dict[str, int] = {g.name: 0 for g in self.manager.groups}
+        for rid, n in new_tokens.items():
+            if rid is None:
+                raise ValueError("request id None is not allowed")
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"new_tokens[{rid!r}] must be an int, got {type(n).__name__}")
+            if n < 1:
+                raise ValueError(f"new_tokens[{rid!r}] is {n}: every request in a step needs >= 1 token (not empty)")
+            known = rid in self.manager
+            start = self.manager.num_computed(rid) if known else 0
+            new += not known
+            if start + n > self.max_model_len:
+                raise ValueError(f"request {rid!r} would reach {start + n} tokens > max_model_len={self.max_model_len}")
+            starts[rid] = start
+            total += n
+            for g, k in self.manager.blocks_needed_by_group(rid if known else None, start + n).items():
+                demand[g] += k
+        if total > self.max_num_batched_tokens:
+            raise ValueError(f"step has {total} tokens > max_num_batched_tokens={self.max_num_batched_tokens}")
+        if len(new_tokens) > self.max_num_reqs or len(self.manager.requests) + new > self.max_num_reqs:
+            raise ValueError(f"step would hold {len(new_tokens)} requests with {len(self.manager.requests) + new} "
+                             f"live > max_num_reqs={self.max_num_reqs}")
+        short = self.manager.shortfall(demand)
+        if short:
+            name, need, pool = short[0]
+            raise PoolExhaustedError(
+                f"step needs {need} blocks of cache group {name!r}, only {pool.num_free} of {pool.num_blocks} free; "
+                f"no request was changed. Free finished requests, or give the engine more cache: num_blocks "
+                f"(now {self.num_blocks[self.main_group]} blocks of {self.main_group!r}) or memory_bytes; "
+                "dsv4attn.kv_cache.accounting.memory_for_requests / max_requests size a workload")
+        return starts
+
+    def begin_step(self, new_tokens: Mapping[Hashable, int]) -> StepPlan:
+        """Open a step for ``{request: new tokens}`` (new ids start at position 0, known ids
+        continue). Allocates blocks and builds the step's metadata once for every layer."""
+        starts = self.check_step(new_tokens)
+        if not new_tokens:
+            raise ValueError("new_tokens is empty: a step needs at least one request")
+        grown: list[tuple[Hashable, int | None]] = []
+        try:
+            for rid, n in new_tokens.items():
+                if rid in self.manager:
+                    grown.append((rid, self.manager.num_tokens(rid)))
+                    self.manager.grow(rid, starts[rid] + n)
+                else:
+                    self.manager.add_request(rid, starts[rid] + n)
+                    grown.append((rid, None))
+            plan = self._build(new_tokens, starts)
+        except BaseException:
+            self._undo(grown)
+            raise
+        self._plan, self._grown, self._ran = plan, grown, set()
+        return plan
+
+    def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
+        """Serve decode-only steps (every request one new token) through CUDA graphs captured per
+        batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
+        padded static steps eagerly. Other steps stay eager."""
+        from dsv4attn.serving.graphs import DecodeGraphs
+
+        if self._plan is not None:
+            raise RuntimeError("enable_cuda_graphs() inside a step")
+        self.graphs = DecodeGraphs(self, buckets, capture)
+
+    def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
+        order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > 1)  # decodes first (stable)
+        qlens = [new_tokens[rid] for rid in order]
+        seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
+        dev, m = self.device, self.manager
+        bucket = self.graphs.bucket_for(len(order)) if self.graphs is not None and max(qlens) == 1 else None
+        if bucket is not None:
+            meta = self.graphs.prepare(order, seq_lens, bucket)
+            tables = {r: self.graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
+                            {r: t for r, t in tables.items() if t is not None}, bucket)
+        tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
+        batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
+                                            device=dev)
+        meta = self.builder.build(batch, impl=self.impl)
+        state_tables = {r: m.block_table(order, g, device=dev) for r, g in _STATE_GROUP.items() if g in self.num_blocks}
+        return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables)
+
+    def run_layer(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention for the open step: hidden ``[T, hidden_size]`` (rows in
+        ``plan.order``, the layer's dtype, on the engine's device) -> ``[T, hidden_size]``."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run_layer() outside a step: call begin_step() first")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layers):
+            raise ValueError(f"layer index must be in [0, {len(self.layers)}), got {i!r}")
+        if i in self._ran:
+            raise RuntimeError(f"layer {i} already ran in this step (its caches hold the step's tokens)")
+        hs = self.layers[i].config.hidden_size
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+        if tuple(hidden.shape) != (plan.num_tokens, hs) or hidden.dtype != self.dtype or hidden.device != self.device:
+            raise ValueError(f"hidden must be [{plan.num_tokens}, {hs}] {self.dtype} on {self.device}, got "
+                             f"{tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
+        layer = self.layers[i]
+        self._ran.add(i)
+        if plan.bucket is not None:
+            return self.graphs.run(i, hidden, plan.bucket)
+        with torch.no_grad():
+            return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
+                              plan.state_tables.get(layer.ratio), impl=self.impl)
+
+    def end_step(self) -> StepPlan:
+        """Close the step: its tokens count as computed (sliding groups release blocks)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("end_step() without begin_step()")
+        for rid, s, n in zip(plan.order, plan.starts, plan.query_lens):
+            self.manager.advance(rid, s + n)
+        self._plan, self._grown = None, []
+        return plan
+
+    def abort_step(self) -> None:
+        """Drop the open step: its blocks go back, new requests are forgotten. Layers that
+        already ran wrote the step's positions, which later steps overwrite before reading."""
+        if self._plan is None:
+            raise RuntimeError("abort_step() without begin_step()")
+        self._undo(self._grown)
+        self._plan, self._grown = None, []
+
+    def _undo(self, grown: list[tuple[Hashable, int | None]]) -> None:
+        for rid, before in reversed(grown):
+            if before is None:
+                self.manager.free(rid)
+            else:
+                self.manager.truncate(rid, before)

@@ -1,0 +1,116 @@
+"""Continuous batching for greedy generation over :class:`dsv4attn.serving.model.PagedDeepseekV4`.
+
+Every step: one decode token for each running request whose prompt is in the caches, then
+prompt chunks (at most ``chunk_size`` tokens each) until the token budget is spent, first for
+running requests still prefilling, then for waiting requests that may join. A request joins
+when a live slot is free and the context-sized cache group can hold its whole final length on
+top of what the running requests reserved (so a running request never runs out of blocks and
+nothing is ever preempted); it leaves (blocks freed) as soon as it has its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dsv4attn.kv_cache.allocator import cdiv
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    fed: int = 0  # tokens in the caches (or in the step being run)
+    out: list[int] = field(default_factory=list)
+    reserve: int = 0  # main-group blocks reserved for the final length
+
+
+class ContinuousBatcher:
+    """Runs ``generate`` for one :class:`PagedDeepseekV4`; see the module docstring."""
+
+    def __init__(self, model, token_budget: int | None = None, chunk_size: int | None = None) -> None:
+        eng = model.engine
+        budget = eng.max_num_batched_tokens if token_budget is None else token_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= eng.max_num_batched_tokens:
+            raise ValueError(f"token_budget must be an int in [1, max_num_batched_tokens={eng.max_num_batched_tokens}]"
+                             f", got {token_budget!r}")
+        chunk = budget if chunk_size is None else chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.model, self.engine, self.budget, self.chunk = model, eng, budget, chunk
+        g = next(g for g in eng.manager.groups if g.name == eng.main_group)
+        self._tpb, self._sliding_main = g.tokens_per_block, g.kind == "sliding"
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return 0 if self._sliding_main else cdiv(num_tokens, self._tpb)
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
+            progress: Callable[[int], None] | None = None) -> list[list[int]]:
+        eng = self.engine
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
+        vocab = self.model.config.vocab_size
+        capacity = eng.num_blocks[eng.main_group]
+        reqs = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0:
+                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}] holds {bad[0]!r}: token ids are ints in [0, {vocab})")
+            final = len(p) + max(max_new_tokens - 1, 0)  # the last new token is never fed back
+            if final > eng.max_model_len:
+                raise ValueError(f"prompts[{i}] needs {final} tokens > max_model_len={eng.max_model_len}")
+            r = _Request(i, list(p), reserve=self._blocks_for(final))
+            if r.reserve > capacity:
+                raise ValueError(f"prompts[{i}] needs {r.reserve} blocks of {eng.main_group!r} for {final} tokens, the "
+                                 f"cache has {capacity}: raise num_blocks or memory_bytes")
+            reqs.append(r)
+        if max_new_tokens == 0:
+            return [[] for _ in reqs]
+        clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
+        if clashes:
+            raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
+        waiting, running = list(reqs), []
+        reserved = 0
+        while waiting or running:
+            tokens: dict = {}
+            budget = self.budget
+            for r in running:
+                if r.fed >= len(r.prompt) and budget > 0:
+                    tokens[r.rid] = [r.out[-1]]
+                    budget -= 1
+            for r in running:
+                if r.fed < len(r.prompt) and budget > 0:
+                    n = min(self.chunk, budget, len(r.prompt) - r.fed)
+                    tokens[r.rid] = r.prompt[r.fed:r.fed + n]
+                    budget -= n
+            while waiting and budget > 0 and len(running) < eng.max_num_reqs \
+                    and reserved + waiting[0].reserve <= capacity:
+                r = waiting.pop(0)
+                running.append(r)
+                reserved += r.reserve
+                n = min(self.chunk, budget, len(r.prompt))
+                tokens[r.rid] = r.prompt[:n]
+                budget -= n
+            if not tokens:
+                raise RuntimeError("no request could be scheduled (token budget or cache too small)")
+            logits = self.model.step({("generate", rid): t for rid, t in tokens.items()})
+            done = []
+            for r in running:
+                if r.rid not in tokens:
+                    continue
+                r.fed += len(tokens[r.rid])
+                if r.fed >= len(r.prompt):  # this step fed the prompt's end or a decode token
+                    r.out.append(int(logits[("generate", r.rid)].argmax()))
+                    if len(r.out) >= max_new_tokens or (eos_token_id is not None and r.out[-1] == eos_token_id):
+                        done.append(r)
+            for r in done:
+                running.remove(r)
+                reserved -= r.reserve
+                self.model.free(("generate", r.rid))
+            if progress is not None:
+                progress(sum(len(t) for t in tokens.values()))
+        return [r.out for r in reqs]
