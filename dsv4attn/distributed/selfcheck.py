@@ -121,10 +121,12 @@ def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, i
 def reserve_context(runner: Any, request_id: str, num_tokens: int, chunk: int = RESERVE_CHUNK) -> None:
     """Start ``request_id`` at position ``num_tokens`` without running its first tokens (blocks
     allocated, pages as they are): ``DCPAttentionRunner.reserve``, or the same through the block
-    manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small)."""
+    manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small; at most the
+    engine's ``max_num_batched_tokens`` per chunk, what its sliding pools are sized for)."""
     if isinstance(runner, DCPAttentionRunner):
         runner.reserve(request_id, num_tokens, chunk)
         return
+    chunk = min(chunk, runner.engine.max_num_batched_tokens)
     m = runner.manager
     m.add_request(request_id, 0)
     for end in [*range(chunk, num_tokens, chunk), num_tokens]:
