@@ -88,8 +88,8 @@ def main() -> None:
                 transient = RESERVE_CHUNK // 4 + RESERVE_CHUNK // 64 + 128
                 blocks = B * (-(-L // 256) // ctx.config.dcp + 128) + transient
                 runner = make_runner(layer, ctx, kv_cache_dtype="fp8_ds_mla", num_blocks=blocks, device=dev,
-                                     max_num_batched_tokens=max(RESERVE_CHUNK, B), max_model_len=max_len, max_num_reqs=B,
-                                     impl=impl)
+                                     max_num_batched_tokens=max(RESERVE_CHUNK, B), max_model_len=max_len,
+                                     max_num_reqs=B, impl=impl)
                 for r in range(B):
                     reserve_context(runner, f"r{r}", L, RESERVE_CHUNK)
                 x = {f"r{r}": torch.randn(1, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for r in range(B)}

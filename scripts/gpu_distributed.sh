@@ -2,7 +2,7 @@
 # Issue 13 on two GPUs of one host, in one device call (a few minutes):
 #   1. the NCCL tests (pytest -m gpu): single layers (fp32 1e-5, bf16 2x rule) and whole-model
 #      generate with TP 2 / DCP 2 (fp32, token for token) against one process;
-#   2. torchrun --nproc-per-node 2 -m dsv4attn generate --tp 2 / --dcp 2 (fp32, --check on rank 0)
+#   2. torchrun --nproc-per-node 2 -m dsv4attn generate --tp 2 / --dcp 2 (fp32; the single run --check)
 #      against one process: the --json token lists must be equal;
 #   3. benchmarks/bench_distributed.py at 64K and 1M context for TP 1 = DCP 1, TP 2 and DCP 2,
 #      printed as one table (decode step time and memory per GPU) for docs/benchmarks.md.
@@ -36,8 +36,8 @@ if [ "$what" = generate ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || fail "single-process generate --check"
   for split in "--tp 2" "--dcp 2"; do
     name=$(echo "$split" | tr -d ' -')
-    timeout 150 $TORCHRUN -m dsv4attn $GEN --check $split 2>&1 | tee "$out/generate_$name.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || fail "torchrun generate $split --check"
+    timeout 150 $TORCHRUN -m dsv4attn $GEN $split 2>&1 | tee "$out/generate_$name.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || fail "torchrun generate $split"
     python3 - "$out/generate_single.log" "$out/generate_$name.log" "$split" <<'PY' || fail "generate $split tokens differ from one process"
 import json, sys
 def tokens(path):

@@ -2,6 +2,7 @@
 
     python -m dsv4attn generate --tiny 0 --check           # `make demo`
     python -m dsv4attn generate --model DIR --prompts p.json --max-new-tokens 64 --json
+    torchrun --nproc-per-node 2 -m dsv4attn generate --tiny 0 --tp 2 --check   # or --dcp 2 (docs/distributed.md)
 
 ``--tiny SEED`` builds a small random DeepSeek-V4 with transformers (every layer kind, MoE,
 hyper-connections); ``--model DIR`` loads a local checkpoint. Prompts: ``--prompts FILE`` (a

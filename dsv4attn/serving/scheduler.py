@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
-
 @dataclass
 class _Request:
     rid: int
