@@ -11,7 +11,8 @@ requests join while others decode.
 One pair of spawned processes (gloo on CPU; NCCL on two GPUs for the ``gpu`` variant) runs: the
 model API with TP 2, DCP 2 (interleave 1) and DCP 2 (interleave 3), then the command line
 in-process (``dsv4attn.serving.cli.main`` with ``--tp 2`` / ``--dcp 2 --check``, the world
-already joined); rank 0 saves what every rank saw. The ``slow`` test starts the same command
+already joined), and a DCP step only rank 0 is too short for (raised on both ranks, nothing
+changed); rank 0 saves what every rank saw. The ``slow`` test starts the same command
 lines under torchrun.
 
 GPU command (two GPUs): ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -89,6 +90,7 @@ def worker(rank: int, world: int, init_method: str, backend: str, out_path: str,
         full = pm.engine.num_blocks.get("full_mla")
         res[name] = dict(tokens=out, live=pm.requests, free=pm.engine.num_free_blocks(), pool=full,
                          heads=pm.layers[0].num_heads)
+    res["refusal"] = _refusal(model, rank, world, device, impl)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dev = "cuda" if backend == "nccl" else "cpu"
     res["cli-tp2"] = _run_cli(_cli_args(prompts_file, dev) + ["--tp", "2"])
@@ -99,6 +101,34 @@ def worker(rank: int, world: int, init_method: str, backend: str, out_path: str,
         torch.save(every, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _refusal(model, rank: int, world: int, device, impl: str) -> dict:
+    """DCP 2 with interleave 64 and 3 main blocks per rank: 1100 tokens need 4 blocks on rank 0
+    (8 local C128 entries = 4 columns) and 2 on rank 1, so only rank 0 is short; both must raise."""
+    import torch.distributed as dist
+
+    from dsv4attn.distributed.launch import ParallelConfig, ParallelContext
+    from dsv4attn.distributed.model import ParallelPagedDeepseekV4
+    from dsv4attn.kv_cache.allocator import PoolExhaustedError
+
+    ctx = ParallelContext(ParallelConfig(dcp=world, dcp_interleave=64), rank, world, device, 0, rank, None,
+                          dist.group.WORLD)
+    pm = ParallelPagedDeepseekV4(model, ctx, impl=impl, num_blocks=3, max_model_len=2048,
+                                 max_num_batched_tokens=2048, max_num_reqs=2)
+    eng = pm.engine
+    need = eng.manager.blocks_needed_by_group(None, 1100)["full_mla"]  # this rank's own count
+    try:
+        eng.begin_step({"a": 1100})
+        raised = None
+    except PoolExhaustedError as e:
+        raised = str(e)
+    unchanged = eng.requests == [] and eng.num_free_blocks() == 3 and not eng.in_step
+    eng.begin_step({"a": 600})  # fits everywhere: the engine still works
+    ok_after = eng.requests == ["a"]
+    eng.abort_step()
+    return dict(need=need, raised=raised, unchanged=unchanged, ok_after=ok_after and eng.requests == [],
+                reserve=eng.blocks_to_reserve(1100))
 
 
 def _spawn(tmp_path_factory, backend: str) -> dict:
@@ -167,6 +197,24 @@ def test_gloo_generate_equals_one_process(gloo, case):
 @pytest.mark.parametrize("case", ["cli-tp2", "cli-dcp2"])
 def test_gloo_cli_equals_one_process(gloo, case):
     _check_cli(gloo, case)
+
+
+def _check_refusal(r: dict) -> None:
+    r0, r1 = (res["refusal"] for res in r["ranks"])
+    assert (r0["need"], r1["need"]) == (4, 2)  # only rank 0 is short of its 3 blocks
+    assert "'full_mla', only 3 of 3 free" in r0["raised"] and "another DCP rank" in r1["raised"]
+    for r in (r0, r1):
+        assert r["unchanged"] and r["ok_after"], r
+        assert r["reserve"] == 4  # rank 0's count on every rank: schedulers admit alike
+
+
+def test_gloo_shortfall_on_one_rank_raises_on_every_rank(gloo):
+    _check_refusal(gloo)
+
+
+@pytest.mark.gpu
+def test_nccl_shortfall_on_one_rank_raises_on_every_rank(nccl):
+    _check_refusal(nccl)
 
 
 @pytest.mark.gpu
