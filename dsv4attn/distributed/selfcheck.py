@@ -160,8 +160,9 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
                 memory: bool = False, reserve: int = 0, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """One kind through one plan: single process vs this rank's parallel runner (see module doc).
     ``kv_cache_dtype``: "auto" (pages in the layer dtype) or "fp8_ds_mla" (both runs quantise the
-    same entries the same way, so the fp32 tolerance holds). ``reserve``: the first request starts at that position over zero-filled pages (never-run
-    context, as the benchmarks use; the same zeros in both runs)."""
+    same entries the same way, so the fp32 tolerance holds). ``reserve``: the first request starts
+    at that position over zero-filled pages (never-run context, as the benchmarks use; the same
+    zeros in both runs)."""
     dev = ctx.device
     impl = impl or ("auto" if dev.type == "cuda" else "reference")
     cfg = small_config(num_heads, o_groups)
