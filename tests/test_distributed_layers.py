@@ -34,10 +34,10 @@ import torch.multiprocessing as mp
 from dsv4attn.distributed.selfcheck import spawn_worker
 
 TP_CASES = ["tp2-dcp1-sliding", "tp2-dcp1-csa", "tp2-dcp1-hca", "tp2-dcp1-sliding-6heads-3groups"]
-DCP_CASES = ["tp1-dcp2-sliding", "tp1-dcp2-csa", "tp1-dcp2-hca", "dcp-interleave3-csa", "dcp-interleave3-hca",
+DCP_CASES = ["tp1-dcp2-sliding", "tp1-dcp2-csa", "tp1-dcp2-hca", "dcp-interleave2-csa", "dcp-interleave2-hca",
              "tp1-dcp2-csa-reserved", "tp1-dcp2-hca-reserved", "tp1-dcp2-csa-fp8", "tp1-dcp2-hca-fp8"]
-MEMORY_CASES = ["tp1-dcp2-csa-memory", "tp1-dcp2-hca-memory", "dcp-interleave3-csa-memory",
-                "dcp-interleave3-hca-memory"]
+MEMORY_CASES = ["tp1-dcp2-csa-memory", "tp1-dcp2-hca-memory", "dcp-interleave2-csa-memory",
+                "dcp-interleave2-hca-memory"]
 ALL = TP_CASES + DCP_CASES + MEMORY_CASES
 #: Wall-clock bound of one group of processes (they take ~15 s on a loaded 2-core machine).
 TIMEOUT_S = 240

@@ -112,6 +112,8 @@ def test_interleave_placement_matches_plain_dealing(world, interleave):
 @pytest.mark.parametrize("ratio,block_size", [(1, 64), (4, 64), (128, 2)])
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 3), (3, 2)])
 def test_interleave_placement_matches_compressed_slot_mapping(ratio, block_size, world, interleave):
+    if block_size % interleave:
+        pytest.skip("the engine's formula deals within blocks: equal only when the interleave divides the block")
     rng = random.Random(ratio + world)
     qlens = [1, 5, 130, 1, 37]
     seq_lens = [q + rng.randint(0, 600) for q in qlens]
@@ -136,3 +138,17 @@ def test_interleave_placement_matches_compressed_slot_mapping(ratio, block_size,
                 L = int(global_to_local(k, world, interleave))
                 want.append(int(table[q, L // block_size]) * block_size + L % block_size)
         assert got.tolist() == want
+
+
+def test_dcp_refuses_an_interleave_that_does_not_divide_a_block(tmp_path):
+    """The engine's slot formula deals entries within blocks; an interleave that does not divide
+    a split cache's block size (C128A stores 2 entries per block) is refused up front."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="interleave=3 must divide"):
+            DCPAttentionRunner(random_layer(small_config(), 2), interleave=3)  # HCA: 2 entries per block
+        DCPAttentionRunner(random_layer(small_config(), 2), interleave=2)
+    finally:
+        dist.destroy_process_group()

@@ -120,6 +120,14 @@ class DCPAttentionRunner:
         self.managers = {name: KVCacheManager([g], num_blocks) for name, g in groups.items()}
         self.state_group = {4: "c4_state", 128: "c128_state"}.get(ratio)
         self.specs = {s.name: s for s in layer_cache_specs(self.cache_config, 0)}
+        # get_compressed_slot_mapping (the engine's formula) deals entries within each block of
+        # block_size * world entries; it equals the global dealing of this module only when the
+        # interleave divides every split cache's block size (otherwise the engine's offsets run
+        # past the block).
+        split_bs = [c.block_size for c in self.specs.values() if c.group != self.state_group]
+        if any(bs % interleave for bs in split_bs):
+            raise ValueError(f"interleave={interleave} must divide the block size of every DCP-split cache "
+                             f"({sorted(set(split_bs))} entries for this layer)")
         self.caches = _alloc_caches(layer, self.specs, kv_cache_dtype, num_blocks, dev, self.dtype)
         self._computed: dict[Hashable, int] = {}
 

@@ -27,7 +27,8 @@ from dsv4attn.ops import metadata as meta_ops
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-from dsv4attn.serving.paged import LayerCaches, gather_indexer_keys, run_compressor, state_slots
+from dsv4attn.reference.indexer import gather_indexer_keys
+from dsv4attn.serving.paged import LayerCaches, run_compressor, state_slots
 
 #: Bound on the indexer's per-chunk temporaries (as in ``layer_step``): 64 MiB of fp32.
 _INDEXER_CHUNK_ELEMENTS = 1 << 24
@@ -175,7 +176,7 @@ def dcp_indexer_topk(
     gids = torch.full((T, K), -1, dtype=torch.int64, device=dev)
     if n_local > 0:
         q, w = idx.queries(qr, hidden, cos, sin)
-        bs, fp8 = caches.indexer_k.shape[1], caches.kv_cache_dtype == "fp8_ds_mla"
+        bs = caches.indexer_k.shape[1]
         e = torch.arange(n_local, device=dev)
         per_chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (n_local * max(idx.dim, idx.num_heads)))
         for t0 in range(0, T, per_chunk):
@@ -183,7 +184,7 @@ def dcp_indexer_topk(
             req = token_to_req[rows].long()[:, None].expand(-1, n_local)
             slot = _entry_slots(e[None, :].expand_as(req), req, mla_table, bs, e[None, :] < elig_local[rows, None])
             ok = slot >= 0
-            keys = gather_indexer_keys(caches.indexer_k, torch.where(ok, slot, torch.zeros_like(slot)), fp8)
+            keys = gather_indexer_keys(caches.indexer_k, torch.where(ok, slot, torch.zeros_like(slot)))
             keys = torch.where(ok[..., None], keys, torch.zeros((), device=dev))
             scores = idx.scores(q[rows], w[rows], keys)  # [n, n_local]
             sel = select_topk(scores, elig_local[rows], idx.topk).long()  # [n, <= K]

@@ -258,7 +258,7 @@ def format_results(results: dict[str, dict[str, Any]], ctx: ParallelContext) -> 
 def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out_path: str,
                  dtype_names: tuple[str, ...] = ("float32",)) -> None:
     """Entry of the test processes (``torch.multiprocessing.spawn``): TP 2 (also over uneven
-    output groups: 6 heads in 3 groups) and DCP 2 (interleave 1 and 3) over one 2-process group,
+    output groups: 6 heads in 3 groups) and DCP 2 (interleave 1 and 2) over one 2-process group,
     for each dtype; rank 0 saves ``{case: result}`` (bf16 case names end in ``-bfloat16``)."""
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -268,7 +268,7 @@ def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out
                        init_method=init_method, backend=backend, device=device)
     world = dist.group.WORLD
     dcp = ParallelContext(ParallelConfig(dcp=world_size), rank, world_size, device, 0, rank, None, world)
-    dcp3 = ParallelContext(ParallelConfig(dcp=world_size, dcp_interleave=3), rank, world_size, device, 0, rank,
+    dcp2i = ParallelContext(ParallelConfig(dcp=world_size, dcp_interleave=2), rank, world_size, device, 0, rank,
                            None, world)
     results = {}
     for name in dtype_names:
@@ -278,7 +278,7 @@ def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out
         extra = {f"{k}-reserved": dict(kind=k, dtype=dtype, reserve=700, lengths=[20, 9]) for k in ("csa", "hca")}
         extra |= {f"{k}-fp8": dict(kind=k, dtype=dtype, kv_cache_dtype="fp8_ds_mla") for k in ("csa", "hca")}
         res |= run_checks(dcp, dtype, extra=extra)
-        res |= run_checks(dcp3, dtype, kinds=("csa", "hca"), prefix="dcp-interleave3")
+        res |= run_checks(dcp2i, dtype, kinds=("csa", "hca"), prefix="dcp-interleave2")
         results |= {k if name == "float32" else f"{k}-{name}": v for k, v in res.items()}
     if rank == 0:
         torch.save(results, out_path)
