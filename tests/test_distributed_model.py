@@ -9,7 +9,7 @@ tokens must be identical. Prompts of 6, 125 and 131 tokens with 8 new tokens cro
 requests join while others decode.
 
 One pair of spawned processes (gloo on CPU; NCCL on two GPUs for the ``gpu`` variant) runs: the
-model API with TP 2, DCP 2 (interleave 1) and DCP 2 (interleave 3), then the command line
+model API with TP 2, DCP 2 (interleave 1) and DCP 2 (interleave 2), then the command line
 in-process (``dsv4attn.serving.cli.main`` with ``--tp 2`` / ``--dcp 2 --check``, the world
 already joined), and a DCP step only rank 0 is too short for (raised on both ranks, nothing
 changed); rank 0 saves what every rank saw. The ``slow`` test starts the same command
@@ -41,7 +41,7 @@ KW = dict(max_model_len=256, max_num_batched_tokens=128, max_num_reqs=2)  # 2 li
 GEN = dict(token_budget=64, chunk_size=40)
 TIMEOUT_S = 300
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-CASES = ("tp2", "dcp2", "dcp2-interleave3")
+CASES = ("tp2", "dcp2", "dcp2-interleave2")
 
 
 def _prompts():
@@ -78,7 +78,7 @@ def worker(rank: int, world: int, init_method: str, backend: str, out_path: str,
                        init_method=init_method, backend=backend, device=device)
     w = dist.group.WORLD
     ctxs = {"tp2": tp}
-    for name, inter in (("dcp2", 1), ("dcp2-interleave3", 3)):
+    for name, inter in (("dcp2", 1), ("dcp2-interleave2", 2)):
         ctxs[name] = ParallelContext(ParallelConfig(dcp=world, dcp_interleave=inter), rank, world, device, 0, rank,
                                      None, w)
     impl = "auto" if backend == "nccl" else "reference"
@@ -104,31 +104,39 @@ def worker(rank: int, world: int, init_method: str, backend: str, out_path: str,
 
 
 def _refusal(model, rank: int, world: int, device, impl: str) -> dict:
-    """DCP 2 with interleave 64 and 3 main blocks per rank: 1100 tokens need 4 blocks on rank 0
-    (8 local C128 entries = 4 columns) and 2 on rank 1, so only rank 0 is short; both must raise."""
+    """DCP 2 with 2 main blocks per rank: 1028 tokens (257 C4A entries) need 3 columns on rank 0
+    (129 local entries) and 2 on rank 1 (128), so only rank 0 is short; both must raise. Also an
+    interleave that does not divide the C128A block (2 entries) is refused."""
     import torch.distributed as dist
 
     from dsv4attn.distributed.launch import ParallelConfig, ParallelContext
     from dsv4attn.distributed.model import ParallelPagedDeepseekV4
     from dsv4attn.kv_cache.allocator import PoolExhaustedError
 
-    ctx = ParallelContext(ParallelConfig(dcp=world, dcp_interleave=64), rank, world, device, 0, rank, None,
-                          dist.group.WORLD)
-    pm = ParallelPagedDeepseekV4(model, ctx, impl=impl, num_blocks=3, max_model_len=2048,
+    def ctx(inter):
+        return ParallelContext(ParallelConfig(dcp=world, dcp_interleave=inter), rank, world, device, 0, rank, None,
+                               dist.group.WORLD)
+
+    try:
+        ParallelPagedDeepseekV4(model, ctx(3), impl=impl, max_model_len=256)
+        bad_interleave = None
+    except ValueError as e:
+        bad_interleave = str(e)
+    pm = ParallelPagedDeepseekV4(model, ctx(1), impl=impl, num_blocks=2, max_model_len=2048,
                                  max_num_batched_tokens=2048, max_num_reqs=2)
     eng = pm.engine
-    need = eng.manager.blocks_needed_by_group(None, 1100)["full_mla"]  # this rank's own count
+    need = eng.manager.blocks_needed_by_group(None, 1028)["full_mla"]  # this rank's own count
     try:
-        eng.begin_step({"a": 1100})
+        eng.begin_step({"a": 1028})
         raised = None
     except PoolExhaustedError as e:
         raised = str(e)
-    unchanged = eng.requests == [] and eng.num_free_blocks() == 3 and not eng.in_step
+    unchanged = eng.requests == [] and eng.num_free_blocks() == 2 and not eng.in_step
     eng.begin_step({"a": 600})  # fits everywhere: the engine still works
     ok_after = eng.requests == ["a"]
     eng.abort_step()
     return dict(need=need, raised=raised, unchanged=unchanged, ok_after=ok_after and eng.requests == [],
-                reserve=eng.blocks_to_reserve(1100))
+                reserve=eng.blocks_to_reserve(1028), bad_interleave=bad_interleave)
 
 
 def _spawn(tmp_path_factory, backend: str) -> dict:
@@ -201,11 +209,12 @@ def test_gloo_cli_equals_one_process(gloo, case):
 
 def _check_refusal(r: dict) -> None:
     r0, r1 = (res["refusal"] for res in r["ranks"])
-    assert (r0["need"], r1["need"]) == (4, 2)  # only rank 0 is short of its 3 blocks
-    assert "'full_mla', only 3 of 3 free" in r0["raised"] and "another DCP rank" in r1["raised"]
+    assert (r0["need"], r1["need"]) == (3, 2)  # only rank 0 is short of its 2 blocks
+    assert "'full_mla', only 2 of 2 free" in r0["raised"] and "another DCP rank" in r1["raised"]
     for r in (r0, r1):
         assert r["unchanged"] and r["ok_after"], r
-        assert r["reserve"] == 4  # rank 0's count on every rank: schedulers admit alike
+        assert r["reserve"] == 3  # rank 0's count on every rank: schedulers admit alike
+        assert "interleave=3 must divide" in r["bad_interleave"], r
 
 
 def test_gloo_shortfall_on_one_rank_raises_on_every_rank(gloo):

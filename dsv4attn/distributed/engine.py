@@ -151,7 +151,8 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
     """:class:`PagedAttentionEngine` over this rank's context shard of every cache (module doc).
 
     ``group``: the DCP process group (default: the world); ``interleave``: entries dealt to a
-    rank in a row (``cp_kv_cache_interleave_size``). ``num_blocks`` / ``memory_bytes``: this
+    rank in a row (``cp_kv_cache_interleave_size``; it must divide the entries per block of every
+    split cache: 1 or 2 for a model with C128A layers). ``num_blocks`` / ``memory_bytes``: this
     rank's main-group blocks / cache budget. Other arguments as the base class; ``layers`` may
     be tensor-parallel shards (their all-reduce runs over their TP group first).
     """
@@ -168,6 +169,13 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
         layers = list(layers)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ratios = sorted({la.ratio for la in layers if isinstance(la, DeepseekV4Attention)} - {1})
+        # get_compressed_slot_mapping (the engines' formula) deals entries within blocks of
+        # block_size * world entries: the same as this package's global dealing only when the
+        # interleave divides the entries per block of every split cache (SWA 64, C4A 64, C128A 2).
+        split = sorted({CacheConfig.swa_block_size} | {CacheConfig.block_size // r for r in ratios})
+        if any(bs % interleave for bs in split):
+            raise ValueError(f"interleave={interleave} must divide the entries per block of every DCP-split cache "
+                             f"({split} for this model)")
         if num_blocks is None and memory_bytes is None and ratios and isinstance(max_model_len, int) \
                 and not isinstance(max_model_len, bool) and isinstance(max_num_reqs, int) and max_num_reqs >= 1:
             most = max(num_local(max_model_len // r, 0, world, interleave) * r for r in ratios)

@@ -197,9 +197,12 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         out["tol"] = 2 * out["single_err"] + 1e-6
     out["ok"] = out["err"] <= out["tol"]
     if not memory:  # every request was freed: every block is back in its pool
-        free = (dist_runner.free_blocks if isinstance(dist_runner, DCPAttentionRunner)
-                else {"pool": dist_runner.num_free_blocks})
-        out["all_blocks_back"] = not dist_runner.requests and all(v == kw["num_blocks"] for v in free.values())
+        if isinstance(dist_runner, DCPAttentionRunner):
+            back = all(v == kw["num_blocks"] for v in dist_runner.free_blocks.values())
+        else:  # the engine sizes each group's pool by its geometry (a sliding layer's by the window)
+            eng = dist_runner.engine
+            back = all(eng.num_free_blocks(g) == n for g, n in eng.num_blocks.items())
+        out["all_blocks_back"] = not dist_runner.requests and back
         out["ok"] = out["ok"] and out["all_blocks_back"]
     if memory:
         rid = next(iter(seqs32))
