@@ -14,11 +14,16 @@ SWA / compressed / indexer-key pages the requests hold on one rank, and
     torchrun --nproc-per-node 2 -m benchmarks.bench_distributed --tp 2
     torchrun --nproc-per-node 2 -m benchmarks.bench_distributed --dcp 2
     python -m benchmarks.bench_distributed --smoke                  # tiny sizes, CPU
+
+``--json FILE`` also writes the rows (rank 0); ``--combine A.json B.json ...`` prints the runs
+side by side as one table (step time and KV pages per GPU of each split; scripts/gpu_distributed.sh).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 
 import torch
@@ -55,7 +60,12 @@ def main() -> None:
     p.add_argument("--batch", default="1,8", help="comma-separated request counts")
     p.add_argument("--kinds", default="sliding,csa,hca")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON (rank 0)")
+    p.add_argument("--combine", nargs="+", metavar="FILE", help="print these --json runs as one table and exit")
     args = p.parse_args()
+    if args.combine:
+        print(combine(args.combine))
+        return
     ctx = init_parallel(parallel_config_from_args(args), device="cpu" if args.smoke else None)
     dev = ctx.device
     cfg = production_config(args.smoke)
@@ -78,8 +88,8 @@ def main() -> None:
                 transient = RESERVE_CHUNK // 4 + RESERVE_CHUNK // 64 + 128
                 blocks = B * (-(-L // 256) // ctx.config.dcp + 128) + transient
                 runner = make_runner(layer, ctx, kv_cache_dtype="fp8_ds_mla", num_blocks=blocks, device=dev,
-                                     max_num_batched_tokens=max(64, B), max_model_len=max_len, max_num_reqs=B,
-                                     impl=impl)
+                                     max_num_batched_tokens=max(RESERVE_CHUNK, B), max_model_len=max_len,
+                                     max_num_reqs=B, impl=impl)
                 for r in range(B):
                     reserve_context(runner, f"r{r}", L, RESERVE_CHUNK)
                 x = {f"r{r}": torch.randn(1, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for r in range(B)}
@@ -109,9 +119,41 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for kind, B, L, us, held, peak in rows:
             print(f"| {kind} | {B} | {L} | {us:.0f} | {held:.1f} | {peak:.0f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(tp=ctx.config.tp, dcp=ctx.config.dcp, interleave=ctx.config.dcp_interleave, gpu=gpu,
+                               rows=[dict(kind=k, B=B, context=L, us=us, held_mib=h, peak_mib=pk)
+                                     for k, B, L, us, h, pk in rows]), f)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def combine(paths: list[str]) -> str:
+    """One markdown table of several ``--json`` runs: per (kind, B, context), each run's step
+    time (us, slowest rank) and KV pages held per GPU (MiB); a run missing a row shows '-'."""
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"skipping {path}: {e}", file=sys.stderr)
+    if not runs:
+        return "no runs to combine"
+    names = [f"tp{r['tp']} dcp{r['dcp']}" for r in runs]
+    keys = list(dict.fromkeys((row["kind"], row["B"], row["context"]) for r in runs for row in r["rows"]))
+    by = [{(row["kind"], row["B"], row["context"]): row for row in r["rows"]} for r in runs]
+    head = (["kind", "B", "context"] + [f"step us {n}" for n in names] + [f"KV MiB/GPU {n}" for n in names]
+            + [f"peak MiB/GPU {n}" for n in names])
+    lines = [f"## Decode step of one layer and memory per GPU [{runs[0]['gpu']}]", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = [str(k) for k in key]
+        for field, fmt in (("us", "{:.0f}"), ("held_mib", "{:.1f}"), ("peak_mib", "{:.0f}")):
+            cells += [fmt.format(b[key][field]) if key in b else "-" for b in by]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

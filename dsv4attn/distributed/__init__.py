@@ -7,12 +7,16 @@
 - :mod:`~dsv4attn.distributed.dcp_step`: the DCP step of any layer (``build_dcp_metadata`` once
   per step, ``dcp_layer_step`` per layer): what a whole-model DCP path calls.
 - :mod:`~dsv4attn.distributed.interleave`: which rank holds which cache entry; the lse merge.
+- :mod:`~dsv4attn.distributed.model` / :mod:`~dsv4attn.distributed.engine`: a whole model
+  (``ParallelPagedDeepseekV4``, ``paged_model``; ``DCPPagedAttentionEngine``): what
+  ``torchrun ... -m dsv4attn generate --tp/--dcp`` runs.
 - :mod:`~dsv4attn.distributed.launch`: process groups from torchrun (``init_parallel``,
   ``make_runner``, ``--tp``/``--dcp`` flags); ``torchrun ... -m dsv4attn.distributed --check``.
 """
 
 from dsv4attn.distributed.dcp import DCPAttentionRunner
 from dsv4attn.distributed.dcp_step import DCPStepMetadata, build_dcp_metadata, dcp_layer_step
+from dsv4attn.distributed.engine import DCPPagedAttentionEngine, ShardedManager
 from dsv4attn.distributed.launch import (
     ParallelConfig,
     ParallelContext,
@@ -21,13 +25,17 @@ from dsv4attn.distributed.launch import (
     make_runner,
     parallel_config_from_args,
 )
+from dsv4attn.distributed.model import ParallelPagedDeepseekV4, paged_model
 from dsv4attn.distributed.tp import TPAttention, TPAttentionRunner, shard_attention, tp_head_range
 
 __all__ = [
     "DCPAttentionRunner",
+    "DCPPagedAttentionEngine",
     "DCPStepMetadata",
     "ParallelConfig",
     "ParallelContext",
+    "ParallelPagedDeepseekV4",
+    "ShardedManager",
     "TPAttention",
     "TPAttentionRunner",
     "add_parallel_args",
@@ -35,6 +43,7 @@ __all__ = [
     "dcp_layer_step",
     "init_parallel",
     "make_runner",
+    "paged_model",
     "parallel_config_from_args",
     "shard_attention",
     "tp_head_range",

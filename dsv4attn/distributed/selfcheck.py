@@ -121,10 +121,12 @@ def run_plan(runner: Any, seqs: dict[str, torch.Tensor], steps: list[dict[str, i
 def reserve_context(runner: Any, request_id: str, num_tokens: int, chunk: int = RESERVE_CHUNK) -> None:
     """Start ``request_id`` at position ``num_tokens`` without running its first tokens (blocks
     allocated, pages as they are): ``DCPAttentionRunner.reserve``, or the same through the block
-    manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small)."""
+    manager of an ``AttentionRunner`` (in chunks, so sliding groups stay small; at most the
+    engine's ``max_num_batched_tokens`` per chunk, what its sliding pools are sized for)."""
     if isinstance(runner, DCPAttentionRunner):
         runner.reserve(request_id, num_tokens, chunk)
         return
+    chunk = min(chunk, runner.engine.max_num_batched_tokens)
     m = runner.manager
     m.add_request(request_id, 0)
     for end in [*range(chunk, num_tokens, chunk), num_tokens]:
@@ -158,9 +160,9 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
                 memory: bool = False, reserve: int = 0, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """One kind through one plan: single process vs this rank's parallel runner (see module doc).
     ``kv_cache_dtype``: "auto" (pages in the layer dtype) or "fp8_ds_mla" (both runs quantise the
-    same entries the same way, so the fp32 tolerance holds). ``reserve``: the first request
-    starts at that position over zero-filled pages (never-run context, as the benchmarks use;
-    the same zeros in both runs)."""
+    same entries the same way, so the fp32 tolerance holds). ``reserve``: the first request starts
+    at that position over zero-filled pages (never-run context, as the benchmarks use; the same
+    zeros in both runs)."""
     dev = ctx.device
     impl = impl or ("auto" if dev.type == "cuda" else "reference")
     cfg = small_config(num_heads, o_groups)
@@ -195,9 +197,12 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         out["tol"] = 2 * out["single_err"] + 1e-6
     out["ok"] = out["err"] <= out["tol"]
     if not memory:  # every request was freed: every block is back in its pool
-        free = (dist_runner.free_blocks if isinstance(dist_runner, DCPAttentionRunner)
-                else {"pool": dist_runner.num_free_blocks})
-        out["all_blocks_back"] = not dist_runner.requests and all(v == kw["num_blocks"] for v in free.values())
+        if isinstance(dist_runner, DCPAttentionRunner):
+            back = all(v == kw["num_blocks"] for v in dist_runner.free_blocks.values())
+        else:  # the engine sizes each group's pool by its geometry (a sliding layer's by the window)
+            eng = dist_runner.engine
+            back = all(eng.num_free_blocks(g) == n for g, n in eng.num_blocks.items())
+        out["all_blocks_back"] = not dist_runner.requests and back
         out["ok"] = out["ok"] and out["all_blocks_back"]
     if memory:
         rid = next(iter(seqs32))

@@ -2,6 +2,7 @@
 
     python -m dsv4attn generate --tiny 0 --check           # `make demo`
     python -m dsv4attn generate --model DIR --prompts p.json --max-new-tokens 64 --json
+    torchrun --nproc-per-node 2 -m dsv4attn generate --tiny 0 --tp 2 --check   # or --dcp 2 (docs/distributed.md)
 
 ``--tiny SEED`` builds a small random DeepSeek-V4 with transformers (every layer kind, MoE,
 hyper-connections); ``--model DIR`` loads a local checkpoint. Prompts: ``--prompts FILE`` (a
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="last stdout line: JSON list of generated token lists")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     g.add_argument("--no-progress", action="store_true")
+    from dsv4attn.distributed.launch import add_parallel_args  # --tp / --dcp / --dcp-interleave (torchrun)
+
+    add_parallel_args(g)
     sub.add_parser("layer-demo", help="three layer kinds serving a workload, checked against transformers",
                    add_help=False)
     sub.add_parser("metadata-demo", help="one mixed step through every metadata builder")
@@ -124,20 +128,26 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def teacher_forced_errors(pm, hf_model, prompts, refs) -> tuple[float, float]:
-    """Max |logit - float32 logit| over the generated positions: (ours, reference same dtype)."""
+def teacher_forced_errors(pm, hf_model, prompts, refs, reference: bool = True) -> tuple[float, float] | None:
+    """Max |logit - float32 logit| over the generated positions: (ours, reference same dtype).
+    ``reference=False`` (ranks other than 0 of a parallel run) only runs our steps: None."""
     import copy
 
     import torch
 
-    hf32 = copy.deepcopy(hf_model).float()
-    ours_err = ref_err = 0.0
+    ours_all = []
     for i, (p, o) in enumerate(zip(prompts, refs)):
         seq = list(p) + list(o[:-1])
         pm.begin_step({("check", i): seq})
-        ours = pm.forward_step(all_tokens=True)
+        ours_all.append(pm.forward_step(all_tokens=True))
         pm.end_step()
         pm.free(("check", i))
+    if not reference:
+        return None
+    hf32 = copy.deepcopy(hf_model).float()
+    ours_err = ref_err = 0.0
+    for p, o, ours in zip(prompts, refs, ours_all):
+        seq = list(p) + list(o[:-1])
         ids = torch.tensor([seq], device=pm.device)
         with torch.no_grad():
             lowp = hf_model(ids).logits[0].float()
@@ -149,11 +159,44 @@ def teacher_forced_errors(pm, hf_model, prompts, refs) -> tuple[float, float]:
 
 
 def generate_main(args) -> int:
+    """One process, or one rank of ``torchrun --nproc-per-node N ... --tp T --dcp D`` (N = T x D):
+    every rank serves the same prompts; only rank 0 prints and checks against transformers."""
+    import contextlib
+    import io
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from dsv4attn.distributed.launch import init_parallel, parallel_config_from_args
+
+    device = args.device
+    if device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    owns_group = not dist.is_initialized()
+    try:
+        ctx = init_parallel(parallel_config_from_args(args), device=device)
+    except ValueError as e:
+        raise SystemExit(f"dsv4attn generate: {e}") from None
+    try:
+        if ctx.rank == 0:
+            return _generate(args, ctx)
+        with contextlib.redirect_stdout(io.StringIO()):
+            _generate(args, ctx)
+        return 0
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _generate(args, ctx) -> int:
     import torch
 
-    from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
+    from dsv4attn.distributed.model import paged_model
+    from dsv4attn.serving.model import reference_generate
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lead = ctx.rank == 0
+    device = ctx.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     kv = "fp8_ds_mla" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype
     model, name = load_model(args, device, dtype)
@@ -165,14 +208,15 @@ def generate_main(args) -> int:
         prompts = random_prompts(args.num_prompts, vocab, args.seed)
     n_new = args.max_new_tokens
     max_len = args.max_model_len or max(len(p) for p in prompts) + n_new
-    pm = PagedDeepseekV4(model, kv_cache_dtype=kv, max_model_len=max_len, device=device,
-                         max_num_batched_tokens=args.token_budget, max_num_reqs=args.max_num_reqs)
+    pm = paged_model(model, ctx, kv_cache_dtype=kv, max_model_len=max_len, device=device,
+                     max_num_batched_tokens=args.token_budget, max_num_reqs=args.max_num_reqs)
+    par = f", {ctx.world_size} processes (tp {ctx.config.tp} x dcp {ctx.config.dcp})" if ctx.world_size > 1 else ""
     print(f"model: {name}, {len(pm.layers)} layers {[layer.kind for layer in pm.layers]}, {dtype}, "
-          f"kv cache {kv}, device {device}")
+          f"kv cache {kv}, device {device}{par}")
     print(f"workload: {len(prompts)} prompts (lengths {min(map(len, prompts))}..{max(map(len, prompts))}), "
           f"{n_new} new tokens each, token budget {args.token_budget}/step")
     total = sum(len(p) for p in prompts) + len(prompts) * max(n_new - 1, 0)
-    bar = _progress(total, not args.no_progress, "generate")
+    bar = _progress(total, not args.no_progress and lead, "generate")
     t0 = time.perf_counter()
     outs = pm.generate(prompts, n_new, chunk_size=args.chunk_size, progress=bar.update)
     if device.type == "cuda":
@@ -183,16 +227,29 @@ def generate_main(args) -> int:
     print(f"generated {gen} tokens in {dt:.2f} s: {gen / dt:.1f} new tokens/s, {total / dt:.1f} tokens/s processed")
     ok = True
     if args.check:
-        bar = _progress(total, not args.no_progress, "transformers")
-        t0 = time.perf_counter()
-        refs = reference_generate(model, prompts, n_new, progress=bar.update)
-        bar.close()
-        print(f"transformers generate (eager, one prompt at a time): {time.perf_counter() - t0:.2f} s")
+        refs = None
+        if lead:  # the oracle runs on rank 0 only
+            bar = _progress(total, not args.no_progress, "transformers")
+            t0 = time.perf_counter()
+            refs = reference_generate(model, prompts, n_new, progress=bar.update)
+            bar.close()
+            print(f"transformers generate (eager, one prompt at a time): {time.perf_counter() - t0:.2f} s")
+        exact = dtype == torch.float32 and kv == "auto"
+        if not exact and ctx.world_size > 1:  # every rank runs the teacher-forced steps: share the sequences
+            import torch.distributed as dist
+
+            box = [refs]
+            dist.broadcast_object_list(box, src=0)
+            refs = box[0]
+        if not lead:
+            if not exact:
+                teacher_forced_errors(pm, model, prompts, refs, reference=False)
+            return 0
         div = [first_divergence(a, b) for a, b in zip(outs, refs)]
         same = sum(d is None for d in div)
         print(f"identical sequences: {same}/{len(prompts)}; first divergence at "
               f"{[d for d in div if d is not None] or 'none'}")
-        if dtype == torch.float32 and kv == "auto":
+        if exact:
             ok = same == len(prompts)
             print(f"check (float32, exact): every generated token equal -> {'PASS' if ok else 'FAIL'}")
         else:

@@ -29,7 +29,7 @@ import torch
 
 from dsv4attn.device import resolve_impl
 from dsv4attn.kv_cache.accounting import main_group, plan_num_blocks
-from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError
+from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError, cdiv
 from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import (
     GROUP_C4_STATE,
@@ -222,6 +222,12 @@ class PagedAttentionEngine:
                     total += t.untyped_storage().nbytes()
         return total
 
+    def blocks_to_reserve(self, num_tokens: int) -> int:
+        """Most blocks of the main group's pool a request of ``num_tokens`` tokens ever holds
+        (what a scheduler reserves when it admits one; 0 when the main group is sliding)."""
+        g = next(g for g in self.manager.groups if g.name == self.main_group)
+        return 0 if g.kind == "sliding" else cdiv(num_tokens, g.tokens_per_block)
+
     def free(self, request_id: Hashable) -> None:
         """Release a request's blocks; ``KeyError`` for an unknown id (not during a step)."""
         if self._plan is not None:
@@ -345,8 +351,12 @@ class PagedAttentionEngine:
         if tuple(hidden.shape) != (plan.num_tokens, hs) or hidden.dtype != self.dtype or hidden.device != self.device:
             raise ValueError(f"hidden must be [{plan.num_tokens}, {hs}] {self.dtype} on {self.device}, got "
                              f"{tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
-        layer = self.layers[i]
         self._ran.add(i)
+        return self._run_layer(i, hidden, plan)
+
+    def _run_layer(self, i: int, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """Layer ``i`` on validated input (dsv4attn.distributed's DCP engine overrides it)."""
+        layer = self.layers[i]
         if plan.bucket is not None:
             return self.graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():

@@ -97,7 +97,7 @@ class PagedDeepseekV4:
             layer.rotary = RotaryTable(cfg.rope(i), cfg.rope_dim).to(dev)
             layers.append(layer.eval())
         self.layers = layers
-        self.engine = PagedAttentionEngine(
+        self.engine = self._make_engine(
             layers, kv_cache_dtype, num_blocks=num_blocks, memory_bytes=memory_bytes, device=dev,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             max_num_reqs=max_num_reqs, impl=impl)
@@ -105,6 +105,10 @@ class PagedDeepseekV4:
         self.max_model_len = max_model_len
         self._adapters = [_PagedSelfAttention(self.engine, i) for i in range(len(layers))]
         self._ids: torch.Tensor | None = None
+
+    def _make_engine(self, layers: list[DeepseekV4Attention], *args, **kwargs) -> PagedAttentionEngine:
+        """The attention engine over ``layers`` (``dsv4attn.distributed.model`` overrides it)."""
+        return PagedAttentionEngine(layers, *args, **kwargs)
 
     # ---- per-step API ----------------------------------------------------------------------
     def begin_step(self, tokens: Mapping[Hashable, Sequence[int]]) -> StepPlan:

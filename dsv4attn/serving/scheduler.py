@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dsv4attn.kv_cache.allocator import cdiv
-
 
 @dataclass
 class _Request:
@@ -38,11 +36,9 @@ class ContinuousBatcher:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.model, self.engine, self.budget, self.chunk = model, eng, budget, chunk
-        g = next(g for g in eng.manager.groups if g.name == eng.main_group)
-        self._tpb, self._sliding_main = g.tokens_per_block, g.kind == "sliding"
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return 0 if self._sliding_main else cdiv(num_tokens, self._tpb)
+        return self.engine.blocks_to_reserve(num_tokens)
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[list[int]]:
