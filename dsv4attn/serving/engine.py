@@ -16,6 +16,11 @@ block, and undoes its allocation if building the metadata fails, so a refused st
 nothing. Between ``begin_step`` and ``end_step`` the caller runs every layer once, in any order
 (layers do not read each other's caches). ``abort_step`` gives the step's blocks back instead.
 
+Speculative decoding (``num_speculative_tokens = k``): a request with up to ``1 + k`` new tokens
+is a decode (the metadata's ``decode_threshold``); after verification ``rollback(request, r)``
+takes its last ``r`` tokens back exactly (see :mod:`dsv4attn.serving.spec`) and ``commit``
+marks the rest accepted.
+
 The single-layer :class:`dsv4attn.serving.runner.AttentionRunner` and the model wrapper
 :class:`dsv4attn.serving.model.PagedDeepseekV4` are both thin clients of this class.
 """
@@ -49,6 +54,8 @@ from dsv4attn.serving.paged import LayerCaches, layer_step
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 #: Ratios the paged caches and metadata support (vLLM accepts only these).
 PAGED_RATIOS = (1, 4, 128)
+#: Most draft tokens verified per request and step (DeepSeek-V4 MTP uses 1-4; next_n up to 8).
+MAX_SPECULATIVE_TOKENS = 7
 _STATE_GROUP = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
 
 
@@ -100,6 +107,9 @@ class PagedAttentionEngine:
             Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
         max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
         max_model_len: per-request limit. impl: kernel path of every op.
+        num_speculative_tokens: k (0..7): steps of up to 1 + k tokens per request go down the
+            decode path, and a request can roll back up to k computed tokens since its last
+            commit (sliding-window blocks are kept that much longer; pools sized for it).
     """
 
     def __init__(
@@ -113,6 +123,7 @@ class PagedAttentionEngine:
         max_model_len: int = 65536,
         max_num_reqs: int = 256,
         impl: str = "auto",
+        num_speculative_tokens: int = 0,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -129,6 +140,10 @@ class PagedAttentionEngine:
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                         ("max_num_reqs", max_num_reqs)):
             _positive(name, v)
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        self.num_speculative_tokens = k
         cfg = layers[0].config
         pdev = layers[0].sinks.device
         dev = torch.device(device) if device is not None else pdev
@@ -153,9 +168,9 @@ class PagedAttentionEngine:
         )
         self.num_blocks = plan_num_blocks(
             self.cache_config, max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes)
+            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes, rollback_tokens=k)
         self.main_group = main_group(self.cache_config).name
-        self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks)
+        self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks, rollback_tokens=k)
         self.caches = [self._alloc_caches(i) for i in range(len(layers))]
         ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
         swa_bs = self.cache_config.swa_block_size
@@ -233,6 +248,49 @@ class PagedAttentionEngine:
     def in_step(self) -> bool:
         return self._plan is not None
 
+    # ---- speculative decoding ----------------------------------------------------------------
+    @property
+    def decode_threshold(self) -> int:
+        """Requests with at most this many new tokens are decodes: ``1 + num_speculative_tokens``."""
+        return 1 + self.num_speculative_tokens
+
+    def rollback_limit(self, request_id: Hashable) -> int:
+        """Tokens ``rollback`` may take back from ``request_id`` now: those computed since its
+        last accepted point (a ``commit``, or the newest ``num_speculative_tokens`` tokens)."""
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        return self.manager.num_computed(request_id) - self.manager.rollback_floor(request_id)
+
+    def rollback(self, request_id: Hashable, num_tokens: int) -> int:
+        """Take the last ``num_tokens`` tokens of ``request_id`` back (rejected drafts), as if
+        they had never been appended; returns the blocks given back. Cost is proportional to
+        what is undone: only bookkeeping changes and trailing blocks go back. Entries and state
+        rows the undone tokens wrote stay in the pages but are unreadable (every read is bounded
+        by the request's length) and are overwritten when those positions are appended again.
+
+        Raises (changing nothing) RuntimeError inside a step, KeyError for an unknown id,
+        TypeError/ValueError unless ``0 <= num_tokens <= rollback_limit(request_id)``."""
+        if self._plan is not None:
+            raise RuntimeError("rollback() inside a step: call end_step() or abort_step() first")
+        limit = self.rollback_limit(request_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if not 0 <= num_tokens <= limit:
+            raise ValueError(
+                f"num_tokens must be in [0, {limit}] for request {request_id!r}: only tokens appended since its last "
+                f"accepted point can be taken back (at most num_speculative_tokens={self.num_speculative_tokens} "
+                f"since the last commit), got {num_tokens}")
+        return self.manager.rollback(request_id, self.manager.num_computed(request_id) - num_tokens)
+
+    def commit(self, request_id: Hashable) -> int:
+        """Accept every computed token of ``request_id`` (no rollback below this point); sliding
+        groups return the blocks only a rollback could have read. Returns the blocks freed."""
+        if self._plan is not None:
+            raise RuntimeError("commit() inside a step: call end_step() or abort_step() first")
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        return self.manager.commit(request_id)
+
     # ---- one step ----------------------------------------------------------------------------
     def check_step(self, new_tokens: Mapping[Hashable, int]) -> dict[Hashable, int]:
         """Validate a step without changing anything; returns request -> tokens before the step.
@@ -301,7 +359,8 @@ class PagedAttentionEngine:
         return plan
 
     def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
-        order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > 1)  # decodes first (stable)
+        thr = self.decode_threshold
+        order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > thr)  # decodes first (stable)
         qlens = [new_tokens[rid] for rid in order]
         seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
         dev, m = self.device, self.manager
@@ -311,7 +370,7 @@ class PagedAttentionEngine:
             for r in self.builder.config.compress_ratios:
                 tables[GROUP_C4 if r == 4 else GROUP_C128] = full
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
-                                            device=dev)
+                                            num_speculative_tokens=self.num_speculative_tokens, device=dev)
         meta = self.builder.build(batch, impl=self.impl)
         state_tables = {r: m.block_table(order, g, device=dev) for r, g in _STATE_GROUP.items() if g in self.num_blocks}
         return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables)
