@@ -215,9 +215,9 @@ class SpeculativeBatcher:
                     elif r.fed + n >= len(r.prompt):  # the prompt's end: logits of its last token
                         where[rid] = (len(rows), 1)
                         rows.append(o + n - 1)
-                logits = model.forward_step(rows=rows) if rows else None
+                logits = model.forward_step(rows=rows)  # runs every layer (fills the caches) even if no row is asked
                 model.end_step()
-                pred = logits.argmax(dim=-1).tolist() if rows else []
+                pred = logits.argmax(dim=-1).tolist()
                 done = []
                 for r in list(running):
                     if r.rid not in tokens:
