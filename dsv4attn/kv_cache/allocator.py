@@ -327,14 +327,15 @@ class KVCacheManager:
         keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
+        skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
         longest = max((len(r) for r in rows), default=0)
         width = longest if width is None else width
         if width < longest:
             raise ValueError(f"width {width} < longest {g.name} block table ({longest} columns)")
         out = torch.full((len(rows), width), NULL_BLOCK, dtype=torch.int32)
-        for i, row in enumerate(rows):
-            if row:
-                out[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        for i, (row, lo) in enumerate(zip(rows, skip)):
+            if len(row) > lo:  # host work per row: its live columns only (sliding groups: a few)
+                out[i, lo: len(row)] = torch.tensor(row[lo:], dtype=torch.int32)
         return out.to(device)
 
     # ---- helpers --------------------------------------------------------------------------

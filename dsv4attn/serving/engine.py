@@ -75,6 +75,7 @@ class StepPlan:
     starts: tuple[int, ...]
     metadata: StepMetadata
     state_tables: Mapping[int, torch.Tensor]
+    bucket: int | None = None  # decode step padded to this CUDA-graph bucket (None: eager)
 
     @property
     def num_tokens(self) -> int:
@@ -101,9 +102,9 @@ class PagedAttentionEngine:
             (parameter dtype = compute dtype, float32 or bfloat16; all on ``device``).
         kv_cache_dtype: "auto" (cache rows in the layer dtype) or "fp8_ds_mla".
         num_blocks: blocks of the context-sized group (``full_mla``: 256-token columns of the
-            compressed caches; ``swa`` in a model of sliding layers only); the window-bounded
-            groups are sized from ``max_num_reqs`` / ``max_num_batched_tokens`` and never run
-            short. ``memory_bytes``: a cache budget instead (the rest goes to the main group).
+            compressed caches); the window-bounded groups are sized from ``max_num_reqs`` /
+            ``max_num_batched_tokens`` and never run short (a model of sliding layers only has
+            nothing else, and ignores num_blocks / memory_bytes). ``memory_bytes``: a cache budget instead (the rest goes to the main group).
             Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
         max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
         max_model_len: per-request limit. impl: kernel path of every op.
@@ -181,6 +182,7 @@ class PagedAttentionEngine:
             num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,
             index_topk=cfg.index_topk, form="range",
         ), dev)
+        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
@@ -358,12 +360,28 @@ class PagedAttentionEngine:
         self._plan, self._grown, self._ran = plan, grown, set()
         return plan
 
+    def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
+        """Serve decode-only steps (every request one new token) through CUDA graphs captured per
+        batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
+        padded static steps eagerly. Other steps stay eager."""
+        from dsv4attn.serving.graphs import DecodeGraphs
+
+        if self._plan is not None:
+            raise RuntimeError("enable_cuda_graphs() inside a step")
+        self.graphs = DecodeGraphs(self, buckets, capture)
+
     def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
         thr = self.decode_threshold
         order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > thr)  # decodes first (stable)
         qlens = [new_tokens[rid] for rid in order]
         seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
         dev, m = self.device, self.manager
+        bucket = self.graphs.bucket_for(len(order)) if self.graphs is not None and max(qlens) == 1 else None
+        if bucket is not None:
+            meta = self.graphs.prepare(order, seq_lens, bucket)
+            tables = {r: self.graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
+                            {r: t for r, t in tables.items() if t is not None}, bucket)
         tables = {META_SWA: m.block_table(order, GROUP_SWA, device=dev)}
         if GROUP_FULL_MLA in self.num_blocks:
             full = m.block_table(order, GROUP_FULL_MLA, device=dev)
@@ -393,6 +411,8 @@ class PagedAttentionEngine:
                              f"{tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
         layer = self.layers[i]
         self._ran.add(i)
+        if plan.bucket is not None:
+            return self.graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
                               plan.state_tables.get(layer.ratio), impl=self.impl)

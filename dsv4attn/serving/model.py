@@ -197,6 +197,11 @@ class PagedDeepseekV4:
         """Accept every token of ``request`` in the caches (see :meth:`PagedAttentionEngine.commit`)."""
         return self.engine.commit(request)
 
+    def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
+        """Run decode-only steps' attention through CUDA graphs per batch-size bucket (padded);
+        see :meth:`PagedAttentionEngine.enable_cuda_graphs`."""
+        self.engine.enable_cuda_graphs(buckets, capture)
+
     @contextlib.contextmanager
     def _paged_attention(self, hf_layers):
         saved = [hl.self_attn for hl in hf_layers]

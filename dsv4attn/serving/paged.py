@@ -80,12 +80,14 @@ def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.T
 def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
-    rotary: torch.nn.Module, impl: str,
+    rotary: torch.nn.Module, impl: str, static: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
     Returns (entries ``[B, D]`` in hidden's dtype, their compressed slots int64 ``[B]``) for the
-    B boundary tokens (``entry_slots >= 0``); the caller writes them to its cache.
+    B boundary tokens (``entry_slots >= 0``); the caller writes them to its cache. ``static``:
+    B = every token (no host sync, shapes fixed by T: the CUDA-graph path); the rows of tokens
+    that close no entry are garbage with slot -1, which the writers skip.
     """
     bs = state_cache.shape[1]
     slots, ok = state_slots(positions, token_to_req, state_table, bs)
@@ -93,18 +95,20 @@ def run_compressor(
                            comp.position_bias.float().contiguous(), positions,
                            torch.where(ok, slots, torch.full_like(slots, -1)), state_cache,
                            validate_slots=False, impl=impl)
-    boundary = (entry_slots >= 0).nonzero().squeeze(1)
-    if boundary.numel() == 0:
-        return hidden.new_zeros((0, comp.dim)), entry_slots[:0]
-    bpos = positions[boundary].long()
+    if static:
+        bpos, req, out_slots = positions.long(), token_to_req.long(), entry_slots
+    else:
+        boundary = (entry_slots >= 0).nonzero().squeeze(1)
+        if boundary.numel() == 0:
+            return hidden.new_zeros((0, comp.dim)), entry_slots[:0]
+        bpos, req, out_slots = positions[boundary].long(), token_to_req[boundary].long(), entry_slots[boundary]
     first = torch.div(bpos, comp.ratio, rounding_mode="floor") * comp.ratio
     window = comp.window_positions(first // comp.ratio)  # [B, L]
-    req = token_to_req[boundary].long()[:, None].expand_as(window)
-    wslots, wvalid = state_slots(window, req, state_table, bs)
+    wslots, wvalid = state_slots(window, req[:, None].expand_as(window), state_table, bs)
     rows = state_cache.reshape(-1, state_cache.shape[2])[wslots]  # [B, L, width] fp32
     cos, sin = rotary(first)
     entries = comp.finish(comp.pool(rows, wvalid), cos, sin, hidden.dtype)
-    return entries, entry_slots[boundary]
+    return entries, out_slots
 
 
 def gather_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, fp8: bool) -> torch.Tensor:
@@ -125,13 +129,15 @@ def gather_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, fp8: bool) -> 
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
+    max_entries: int | None = None,
 ) -> torch.Tensor:
     """Request-local top-k int32 ``[T, min(topk, N)]`` (-1 padded) of every token; N = the most
-    eligible entries ``(p+1)//r`` of any token in the step."""
+    eligible entries ``(p+1)//r`` of any token in the step (one host sync), or ``max_entries``
+    when given (no sync; the CUDA-graph path passes the capacity ``max_model_len // r``)."""
     idx = layer.indexer
     eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
     T = positions.shape[0]
-    n_max = int(eligible.max()) if T else 0
+    n_max = max_entries if max_entries is not None else (int(eligible.max()) if T else 0)
     width = min(idx.topk, n_max)
     out = torch.full((T, width), -1, dtype=torch.int32, device=positions.device)
     if width == 0:
@@ -157,8 +163,15 @@ def indexer_topk(
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
     caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto",
+    max_model_len: int | None = None,
 ) -> torch.Tensor:
-    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
+    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``.
+
+    ``max_model_len`` given: the static form (no host sync, every shape a function of T and
+    the capacities only, so a CUDA graph captured at any context replays at any other): the
+    compressors pool a window for every token and the indexer scores ``max_model_len // 4``
+    entry columns. The two forms agree up to fp32 reduction order.
+    """
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
     cos, sin = layer.rotary(pos)
@@ -174,16 +187,18 @@ def layer_step(
                          starts=sw.starts, layout=caches.layout if kcd == "fp8_ds_mla" else None)]
     if layer.compressor is not None:
         cm = step.compressed[layer.ratio]
+        static = max_model_len is not None
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl)
+                                        cm.slot_mapping, layer.rotary, impl, static)
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
         if layer.kind == "csa":
             ientries, islots = run_compressor(layer.indexer, hidden, pos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl)
+                                              cm.slot_mapping, layer.rotary, impl, static)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
-            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table)
+            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table,
+                                 max_model_len // layer.ratio if static else None)
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
             sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
         else:

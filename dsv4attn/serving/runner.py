@@ -28,8 +28,8 @@ class AttentionRunner:
         layer: a ``DeepseekV4Attention`` (its parameter dtype is the compute dtype).
         kv_cache_dtype: "auto" (cache rows in the layer's dtype) or "fp8_ds_mla".
         num_blocks: blocks of the context-sized cache group (256-token columns of the compressed
-            caches; the SWA group for a sliding layer); window-bounded groups are sized by the
-            engine (see :class:`PagedAttentionEngine`).
+            caches; ignored by a sliding layer); window-bounded groups are sized by the engine
+            (see :class:`PagedAttentionEngine`).
         device: where caches and compute live (default: the layer's device).
         max_num_batched_tokens / max_num_reqs: per-step / live-request limits; max_model_len:
             per-request limit. impl: kernel path of every op ("auto" | "triton" | "reference").
@@ -92,7 +92,7 @@ class AttentionRunner:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks of the context-sized group (what ``num_blocks`` sized)."""
+        """Free blocks of the context-sized group (what ``num_blocks`` sized; SWA for a sliding layer)."""
         return self.engine.num_free_blocks()
 
     def free(self, request_id: Hashable) -> None:

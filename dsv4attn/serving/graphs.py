@@ -1,0 +1,144 @@
+"""Decode steps in CUDA graphs: per batch-size bucket, padded, captured once, replayed at any context.
+
+``DecodeGraphs(engine, buckets)`` holds the static inputs every captured layer step reads:
+
+- block tables of every group at their capacity width ``cdiv(max_model_len, tokens_per_block)``
+  (rows = bucket size), positions and SWA slot mapping ``[bucket]``;
+- the metadata builder's persistent buffers (already static: ``StepMetadataBuilder``);
+- one hidden-state input ``[bucket, hidden]`` per bucket.
+
+A decode-only step of R requests (R <= the largest bucket) is padded to the smallest bucket
+B >= R with pad requests (one token at position 0, SWA slot -1, every other table row -1: the
+writers skip them and their candidate sets are empty). ``prepare`` writes the step's tables,
+positions and slots into the static buffers and runs the metadata builder on them (host work,
+once per step); ``run(i, hidden)`` copies hidden into the bucket's input and replays layer i's
+graph. Every captured shape depends on B and the capacities only (the layer step's static
+form: ``layer_step(..., max_model_len=...)``), never on a context length, so a graph captured
+at a short context replays correctly at any longer one.
+
+``capture=False`` runs the same padded static step eagerly (CPU-testable, and the "eager"
+side of the bit-for-bit replay tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from dsv4attn.kv_cache.allocator import NULL_BLOCK, cdiv
+from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA
+from dsv4attn.metadata import GROUP_C4, GROUP_C128, BatchMetadata, StepMetadata
+from dsv4attn.metadata import GROUP_SWA as META_SWA
+from dsv4attn.serving.paged import layer_step
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
+
+
+class DecodeGraphs:
+    """Static buffers and (optionally) captured graphs of padded decode steps for one engine."""
+
+    def __init__(self, engine, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
+        cap = min(engine.max_num_reqs, engine.max_num_batched_tokens)
+        buckets = sorted({b for b in (buckets or DEFAULT_BUCKETS) if isinstance(b, int) and 1 <= b <= cap})
+        if not buckets:
+            raise ValueError(f"no decode bucket in [1, min(max_num_reqs, max_num_batched_tokens) = {cap}]")
+        if capture and engine.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the engine is on {engine.device}")
+        self.engine, self.buckets, self.capture = engine, tuple(buckets), capture
+        dev, n, L = engine.device, buckets[-1], engine.max_model_len
+        self.groups = {g.name: g for g in engine.manager.groups}
+        self.tables = {name: torch.full((n, cdiv(L, g.tokens_per_block)), NULL_BLOCK, dtype=torch.int32, device=dev)
+                       for name, g in self.groups.items()}
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n, ), -1, dtype=torch.int64, device=dev)
+        hs = engine.layers[0].config.hidden_size
+        self.inputs = {b: torch.zeros(b, hs, dtype=engine.dtype, device=dev) for b in buckets}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.steps: dict[int, StepMetadata] = {}
+        self._pool = None
+        for b in self.buckets:
+            self.prepare([], [], b)  # all-pad step: builds the bucket's static metadata
+            if capture:
+                self._capture(b)
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_reqs), None)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def prepare(self, order: Sequence[Hashable], seq_lens: Sequence[int], bucket: int) -> StepMetadata:
+        """Write a decode step (``order`` requests, one new token each, ``seq_lens`` after it)
+        padded to ``bucket`` into the static buffers and build its metadata."""
+        eng, m, R = self.engine, self.engine.manager, len(order)
+        swa_bs = eng.cache_config.swa_block_size
+        pos = torch.zeros(bucket, dtype=torch.int64)
+        slots = torch.full((bucket,), -1, dtype=torch.int64)
+        for name, t in self.tables.items():
+            host = torch.full((bucket, t.shape[1]), NULL_BLOCK, dtype=torch.int32)
+            if R:
+                rows = m.block_table(order, name)
+                host[:R, :rows.shape[1]] = rows
+            if name == GROUP_SWA:
+                for i, s in enumerate(seq_lens):
+                    p = s - 1
+                    pos[i] = p
+                    slots[i] = int(host[i, p // swa_bs]) * swa_bs + p % swa_bs
+                host[R:, 0] = 0  # pad rows: a valid id in the one column position 0 maps to (never read)
+            t[:bucket].copy_(host)
+        self.positions[:bucket].copy_(pos)
+        self.slots[:bucket].copy_(slots)
+        tables = {META_SWA: self.tables[GROUP_SWA][:bucket]}
+        if GROUP_FULL_MLA in self.tables:
+            for r in eng.builder.config.compress_ratios:
+                tables[GROUP_C4 if r == 4 else GROUP_C128] = self.tables[GROUP_FULL_MLA][:bucket]
+        batch = BatchMetadata.from_requests([1] * bucket, list(seq_lens) + [1] * (bucket - R), tables,
+                                            slot_mapping=self.slots[:bucket], device=eng.device)
+        batch = dataclasses.replace(batch, positions=self.positions[:bucket])
+        meta = eng.builder.build(batch, impl=eng.impl)
+        self.steps[bucket] = meta
+        return meta
+
+    def state_table(self, bucket: int, ratio: int) -> torch.Tensor | None:
+        name = _STATE.get(ratio)
+        return self.tables[name][:bucket] if name in self.tables else None
+
+    def _eager(self, i: int, bucket: int, hidden: torch.Tensor) -> torch.Tensor:
+        eng = self.engine
+        layer = eng.layers[i]
+        return layer_step(layer, hidden, self.steps[bucket], eng.builder, eng.caches[i],
+                          self.state_table(bucket, layer.ratio), impl=eng.impl, max_model_len=eng.max_model_len)
+
+    def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
+        """Layer i on the prepared step: hidden ``[R, hidden]`` -> ``[R, hidden]`` (a copy)."""
+        R = hidden.shape[0]
+        x = self.inputs[bucket]
+        x[:R].copy_(hidden)
+        if self.capture:
+            self.graphs[(i, bucket)].replay()
+            out = self.outputs[(i, bucket)]
+        else:
+            with torch.no_grad():
+                out = self._eager(i, bucket, x)
+        return out[:R].clone()
+
+    # ---- capture -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture(self, bucket: int) -> None:
+        eng = self.engine
+        x = self.inputs[bucket]
+        stream = torch.cuda.Stream(eng.device)
+        stream.wait_stream(torch.cuda.current_stream(eng.device))
+        with torch.cuda.stream(stream):
+            for i in range(len(eng.layers)):  # warm-up: compiles every kernel of the static form
+                self._eager(i, bucket, x)
+        torch.cuda.current_stream(eng.device).wait_stream(stream)
+        torch.cuda.synchronize(eng.device)
+        for i in range(len(eng.layers)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self.outputs[(i, bucket)] = self._eager(i, bucket, x)
+            self._pool = g.pool()
+            self.graphs[(i, bucket)] = g
