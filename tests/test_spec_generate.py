@@ -150,3 +150,18 @@ def test_verify_step_logits_equal_one_token_steps(tiny):
     pm.commit("a")
     again = torch.stack([pm.step({"a": [t]})["a"] for t in seq[127:131]])
     assert (again - single[1:]).abs().max() <= 1e-4 * single.abs().max()
+
+
+def test_cli_num_speculative_tokens(capsys, tmp_path):
+    """``python -m dsv4attn generate --num-speculative-tokens 2 --check``: PASS (same tokens as
+    transformers) and the acceptance summary line."""
+    import json
+
+    from dsv4attn.serving import cli
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([[3, 1, 4, 1, 5], list(range(20)) * 3]))  # repeats: prompt lookup finds matches
+    rc = cli.main(["generate", "--tiny", "1", "--prompts", str(f), "--max-new-tokens", "6", "--check",
+                   "--no-progress", "--device", "cpu", "--num-speculative-tokens", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS" in out and "speculative decoding k=2" in out and "accepted" in out
