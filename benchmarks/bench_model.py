@@ -121,7 +121,7 @@ def decode_rows(cfg, layers, dev, batch, ctx, graphs: bool) -> list[Row]:
                 continue
             rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} decode B={batch} ctx={ctx} {mode}", us, batch, ctx,
                                   {"host us/step": f"{host_us:.0f}", "tok/s": f"{batch / (us * 1e-6):.0f}"}))
-    del eng
+    eng.graphs = None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -134,8 +134,8 @@ def prefill_rows(cfg, layers, dev, c: int) -> list[Row]:
     plan = eng.begin_step({0: c})
     rows = []
     for i, layer in enumerate(layers):
-        us = median_us(lambda i=i: layer_step(layer, x, plan.metadata, eng.builder, eng.caches[i],
-                                              plan.state_tables.get(layer.ratio), impl=eng.impl))
+        us = median_us(lambda i=i, layer=layer: layer_step(layer, x, plan.metadata, eng.builder, eng.caches[i],
+                                                           plan.state_tables.get(layer.ratio), impl=eng.impl))
         rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} prefill {c}", us, c, c // 2,
                               {"tok/s": f"{c / (us * 1e-6):.0f}"}))
     eng.abort_step()

@@ -185,7 +185,7 @@ def test_per_group_pools_and_truncate():
     m = KVCacheManager(GROUPS, {"full": 2, "swa": 3, "state": 8, "wide": 5})
     assert not m.shared_pool
     with pytest.raises(ValueError, match="one pool per group"):
-        m.pool
+        _ = m.pool
     m.add_request("a", 8)
     assert {g: m.num_held("a", g) for g in ("full", "swa", "state", "wide")} == {"full": 1, "swa": 2, "state": 4,
                                                                              "wide": 2}

@@ -57,7 +57,7 @@ def _script(rng, steps=330):
             live[nxt] = 0
             step[nxt] = rng.randint(1, 70)
             nxt += 1
-        for r, n in live.items():
+        for r in live:
             if r not in step:
                 step[r] = 1
         leave = [r for r, n in live.items() if n > 300 or (s % 60 == 59 and r == min(live))]

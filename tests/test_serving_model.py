@@ -134,3 +134,21 @@ def test_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="prompts"):
         pm.generate([[]], 2)
     assert pm.generate([[1, 2]], 0) == [[]]
+
+
+@pytest.mark.parametrize("kv,factor", [("auto", 2.0), ("fp8_ds_mla", 4.0)])
+def test_low_precision_within_the_references_own_error(kv, factor):
+    """bf16 model: teacher-forced on transformers' bf16 greedy sequences, our logits stay within
+    ``factor`` x transformers' own bf16 error of the float32 logits (the CLI's bound, justified
+    in dsv4attn.serving.cli.LOWP_FACTOR). Free-running sequences may part at a near-tie, so
+    they are not compared."""
+    from dsv4attn.serving.cli import LOWP_FACTOR, teacher_forced_errors
+
+    assert LOWP_FACTOR[kv] == factor
+    model = tiny_hf_model(0, dtype=torch.bfloat16)
+    prompts = _prompts((5, 128, 131), seed=7)
+    refs = reference_generate(model, prompts, 6)
+    pm = PagedDeepseekV4(model, kv_cache_dtype=kv, max_model_len=160)
+    ours, ref = teacher_forced_errors(pm, model, prompts, refs)
+    assert 0 < ours <= factor * ref, (ours, ref)
+    assert pm.requests == []

@@ -109,7 +109,8 @@ def footprint_table(cfg: CacheConfig, contexts: tuple[int, ...] = (4096, 65536, 
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{fp.by_cache()[name] / gib:.4f} GiB" for fp in fps) + " |")
     lines.append("| **total** | " + " | ".join(f"**{fp.total_bytes / gib:.3f} GiB**" for fp in fps) + " |")
-    for label, b in (("dense MLA fp8_ds_mla (584 B)", DENSE_FP8_DS_MLA_BYTES), ("dense MLA bf16 (1024 B)", DENSE_BF16_BYTES)):
+    for label, b in (("dense MLA fp8_ds_mla (584 B)", DENSE_FP8_DS_MLA_BYTES),
+                     ("dense MLA bf16 (1024 B)", DENSE_BF16_BYTES)):
         lines.append(f"| {label} | " + " | ".join(
             f"{dense_mla_bytes(cfg.num_layers, n, b) / gib:.3f} GiB" for n in contexts) + " |")
     return "\n".join(lines)

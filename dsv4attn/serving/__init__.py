@@ -11,7 +11,16 @@
 """
 
 from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan
+from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
 from dsv4attn.serving.paged import LayerCaches, layer_step
 from dsv4attn.serving.runner import AttentionRunner
 
-__all__ = ["AttentionRunner", "LayerCaches", "PagedAttentionEngine", "StepPlan", "layer_step"]
+__all__ = [
+    "AttentionRunner",
+    "LayerCaches",
+    "PagedAttentionEngine",
+    "PagedDeepseekV4",
+    "StepPlan",
+    "layer_step",
+    "reference_generate",
+]

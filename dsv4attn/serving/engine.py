@@ -104,7 +104,8 @@ class PagedAttentionEngine:
         num_blocks: blocks of the context-sized group (``full_mla``: 256-token columns of the
             compressed caches); the window-bounded groups are sized from ``max_num_reqs`` /
             ``max_num_batched_tokens`` and never run short (a model of sliding layers only has
-            nothing else, and ignores num_blocks / memory_bytes). ``memory_bytes``: a cache budget instead (the rest goes to the main group).
+            nothing else, and ignores num_blocks / memory_bytes). ``memory_bytes``: a cache
+            budget instead (what the window groups leave goes to the full group).
             Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
         max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
         max_model_len: per-request limit. impl: kernel path of every op.
@@ -176,7 +177,8 @@ class PagedAttentionEngine:
         ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
         swa_bs = self.cache_config.swa_block_size
         nb = {META_SWA: self.num_blocks[GROUP_SWA]}
-        nb.update({GROUP_C4: self.num_blocks.get(GROUP_FULL_MLA, 1), GROUP_C128: self.num_blocks.get(GROUP_FULL_MLA, 1)})
+        nf = self.num_blocks.get(GROUP_FULL_MLA, 1)
+        nb.update({GROUP_C4: nf, GROUP_C128: nf})
         self.builder = StepMetadataBuilder(MetadataConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
             num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,

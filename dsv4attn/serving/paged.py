@@ -37,7 +37,6 @@ from dsv4attn.metadata import StepMetadata, StepMetadataBuilder
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-from dsv4attn.reference.sparse_attn import candidate_slots, gather_entries
 
 #: Elements of the indexer's per-chunk temporaries ([tokens, entries, max(D_I, H_I)] fp32): the
 #: query tokens scored together are chosen so this bound holds (64 MiB of fp32).
