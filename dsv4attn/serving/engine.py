@@ -185,6 +185,7 @@ class PagedAttentionEngine:
             index_topk=cfg.index_topk, form="range",
         ), dev)
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        self.spec_graphs: dict = {}  # query_len q in 2..1+k -> DecodeGraphs of uniform verify steps
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
@@ -365,12 +366,21 @@ class PagedAttentionEngine:
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
         """Serve decode-only steps (every request one new token) through CUDA graphs captured per
         batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
-        padded static steps eagerly. Other steps stay eager."""
+        padded static steps eagerly. Other steps stay eager. With ``num_speculative_tokens = k``
+        verify steps where every request feeds the same q in 2..1+k tokens get graphs too."""
         from dsv4attn.serving.graphs import DecodeGraphs
 
         if self._plan is not None:
             raise RuntimeError("enable_cuda_graphs() inside a step")
         self.graphs = DecodeGraphs(self, buckets, capture)
+        self.spec_graphs = {q: DecodeGraphs(self, buckets, capture, query_len=q)
+                            for q in range(2, self.decode_threshold + 1) if self.max_num_batched_tokens >= q}
+
+    def _graphs_for(self, qlens: Sequence[int]):
+        """The DecodeGraphs serving a step whose requests all feed the same count (else None)."""
+        if self.graphs is None or not qlens or any(q != qlens[0] for q in qlens):
+            return None
+        return self.graphs if qlens[0] == 1 else self.spec_graphs.get(qlens[0])
 
     def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
         thr = self.decode_threshold
@@ -378,10 +388,11 @@ class PagedAttentionEngine:
         qlens = [new_tokens[rid] for rid in order]
         seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
         dev, m = self.device, self.manager
-        bucket = self.graphs.bucket_for(len(order)) if self.graphs is not None and max(qlens) == 1 else None
+        graphs = self._graphs_for(qlens)
+        bucket = graphs.bucket_for(len(order)) if graphs is not None else None
         if bucket is not None:
-            meta = self.graphs.prepare(order, seq_lens, bucket)
-            tables = {r: self.graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            meta = graphs.prepare(order, seq_lens, bucket)
+            tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
             return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
                             {r: t for r, t in tables.items() if t is not None}, bucket)
         tables = {META_SWA: m.block_table(order, GROUP_SWA, device=dev)}
@@ -414,7 +425,7 @@ class PagedAttentionEngine:
         layer = self.layers[i]
         self._ran.add(i)
         if plan.bucket is not None:
-            return self.graphs.run(i, hidden, plan.bucket)
+            return self._graphs_for(plan.query_lens).run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
                               plan.state_tables.get(layer.ratio), impl=self.impl)

@@ -13,6 +13,10 @@ request's tokens are committed. Greedy output is identical to plain decoding.
 Scheduling is :class:`dsv4attn.serving.scheduler.ContinuousBatcher`'s: decodes first (each
 ``1 + m`` tokens), then prompt chunks, then joining requests; drafts never take a request past
 ``max_new_tokens`` (so the join-time block reservation still holds) nor past the step budget.
+With CUDA graphs enabled (``PagedDeepseekV4.enable_cuda_graphs``) short proposals are padded to
+the full draft count (repeating their last token), so that decode steps are uniform verify steps
+``1 + k`` tokens per request, which replay captured graphs; a padded draft is verified like any
+other (it is accepted only if it is the model's own greedy token).
 """
 
 from __future__ import annotations
@@ -156,13 +160,16 @@ class SpeculativeBatcher:
         got = self.drafter.propose({rid: by_rid[rid].prompt + by_rid[rid].out for rid in want}, want)
         if not isinstance(got, dict):
             raise TypeError(f"drafter.propose must return a dict, got {type(got).__name__}")
-        vocab, out = self.model.config.vocab_size, {}
+        vocab, out, pad = self.model.config.vocab_size, {}, self.engine.graphs is not None
         for rid, n in want.items():
             d = got.get(rid, [])
             if isinstance(d, (str, bytes)) or not isinstance(d, Sequence) or len(d) > n or any(
                     isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in d):
                 raise ValueError(f"drafter proposed {d!r} for {rid!r}: expected at most {n} token ids in [0, {vocab})")
-            out[by_rid[rid].rid] = list(d)
+            d = list(d)
+            if pad:  # uniform verify steps replay the captured graphs
+                d += [d[-1] if d else by_rid[rid].out[-1]] * (n - len(d))
+            out[by_rid[rid].rid] = d
         return out
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
