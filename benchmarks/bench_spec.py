@@ -49,8 +49,8 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
         for i, layer in enumerate(layers):
             st = plan.state_tables.get(layer.ratio)
             for mode, mml in (("eager", None), ("static", eng.max_model_len)):
-                us = median_us(lambda: layer_step(layer, x, plan.metadata, eng.builder, eng.caches[i], st,
-                                                  impl=eng.impl, max_model_len=mml))
+                us = median_us(lambda layer=layer, x=x, meta=plan.metadata, c=eng.caches[i], st=st, mml=mml:
+                               layer_step(layer, x, meta, eng.builder, c, st, impl=eng.impl, max_model_len=mml))
                 key = (i, mode)
                 base.setdefault(key, us) if k == 0 else None
                 layer_rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} B={batch} k={k} {mode}", us, T, ctx, {
@@ -58,7 +58,7 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
                     "x plain": f"{us / base[key]:.2f}" if key in base else "-"}))
         eng.abort_step()
 
-        def full_step():
+        def full_step(step=step, x=x, k=k):
             eng.begin_step(step)
             for i in range(len(layers)):
                 eng.run_layer(i, x)
@@ -86,9 +86,6 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
         step_rows.append(Row(f"engine step B={batch} k={k} ({len(layers)} layers)", us, extra={
             "tokens": T, "x plain": f"{us / base['step']:.2f}",
             "rollback+commit us (host)": f"{sorted(undo_us)[2]:.0f}"}))
-    del eng
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return layer_rows, step_rows
 
 
@@ -111,6 +108,8 @@ def main() -> None:
         lr, sr = spec_rows(cfg, layers, dev, b, ctx, ks)
         layer_rows += lr
         step_rows += sr
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     print_table(f"verify step (1 + k tokens per request) vs plain decode, per layer, ctx={ctx} (fp8_ds_mla)",
                 layer_rows, ceil)
     print_table("whole engine step with rollback of every draft", step_rows, ceil)

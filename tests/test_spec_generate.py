@@ -19,10 +19,10 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from dsv4attn.serving.drafter import Drafter, NgramDrafter  # noqa: E402
-from dsv4attn.serving.model import PagedDeepseekV4, reference_generate  # noqa: E402
-from dsv4attn.serving.spec import SpecStats, accept_greedy  # noqa: E402
-from dsv4attn.serving.tiny import tiny_hf_model  # noqa: E402
+from dsv4attn.serving.drafter import Drafter, NgramDrafter
+from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
+from dsv4attn.serving.spec import SpecStats, accept_greedy
+from dsv4attn.serving.tiny import tiny_hf_model
 
 LENGTHS = (5, 126, 129)
 NEW = 12

@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from test_spec_generate import NoisyOracleDrafter  # noqa: E402
+from test_spec_generate import NoisyOracleDrafter
 
-from dsv4attn.config import AttentionConfig  # noqa: E402
-from dsv4attn.layers.attention import DeepseekV4Attention  # noqa: E402
-from dsv4attn.serving.engine import PagedAttentionEngine  # noqa: E402
-from dsv4attn.serving.model import PagedDeepseekV4, reference_generate  # noqa: E402
-from dsv4attn.serving.tiny import randomize_, tiny_hf_config, tiny_hf_model  # noqa: E402
+from dsv4attn.config import AttentionConfig
+from dsv4attn.layers.attention import DeepseekV4Attention
+from dsv4attn.serving.engine import PagedAttentionEngine
+from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
+from dsv4attn.serving.tiny import randomize_, tiny_hf_config, tiny_hf_model
 
 
 def test_static_padded_verify_steps_equal_transformers(monkeypatch):
@@ -82,7 +82,8 @@ def _script(rng, steps=200, k=3):
 @pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
 def test_spec_graph_replay_equals_static_bit_for_bit(kv):
     layers = _layers(10)
-    kw = dict(max_model_len=512, max_num_reqs=8, max_num_batched_tokens=256, num_blocks=64, num_speculative_tokens=3)
+    kw = {"max_model_len": 512, "max_num_reqs": 8, "max_num_batched_tokens": 256, "num_blocks": 64,
+          "num_speculative_tokens": 3}
     graph = PagedAttentionEngine(layers, kv, **kw)
     graph.enable_cuda_graphs(buckets=(1, 2, 4, 8))  # captured now, every context 0
     static = PagedAttentionEngine(layers, kv, **kw)

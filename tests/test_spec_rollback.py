@@ -28,10 +28,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA  # noqa: E402
-from dsv4attn.serving.engine import PagedAttentionEngine  # noqa: E402
-from dsv4attn.serving.model import PagedDeepseekV4  # noqa: E402
-from dsv4attn.serving.tiny import tiny_hf_model  # noqa: E402
+from dsv4attn.kv_cache.specs import (
+    GROUP_C4_STATE,
+    GROUP_C128_STATE,
+    GROUP_FULL_MLA,
+    GROUP_SWA,
+)
+from dsv4attn.serving.engine import PagedAttentionEngine
+from dsv4attn.serving.model import PagedDeepseekV4
+from dsv4attn.serving.tiny import tiny_hf_model
 
 VOCAB = 48
 K_MAX = 4
@@ -136,7 +141,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
 
 
 def check_program(layers, kv, device, program):
-    k, prefix, steps, seed = program
+    _, prefix, steps, seed = program
     base_layers, emb = layers
     g = torch.Generator().manual_seed(seed)
     spec, twin, ref = (_engine(base_layers, kv, device) for _ in range(3))

@@ -30,7 +30,7 @@ class Drafter(abc.ABC):
         Returns id -> at most ``num_tokens[id]`` token ids (fewer or none is fine; missing ids
         mean none)."""
 
-    def release(self, request_id: Hashable) -> None:  # noqa: B027 (optional hook)
+    def release(self, request_id: Hashable) -> None:
         """``request_id`` finished; drop any state held for it."""
 
 

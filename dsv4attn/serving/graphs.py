@@ -23,7 +23,8 @@ Speculative decoding: ``query_len = q > 1`` makes the same structure for verify 
 every request feeds q tokens (the last accepted token and q - 1 drafts): buckets count
 requests, the static inputs hold ``bucket * q`` token rows, and pad requests feed q tokens at
 positions ``0 .. q-1`` with SWA slot -1 (zero-length candidate sets), no state blocks, and
-compressed slots -1 (cleared after the build): they write nothing. The engine keeps one instance per q in ``2 .. 1 + k``.
+compressed slots -1 (cleared after the build): they write nothing. The engine keeps one
+instance per q in ``2 .. 1 + k``.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ _STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
 class DecodeGraphs:
     """Static buffers and (optionally) captured graphs of padded decode steps for one engine."""
 
-    def __init__(self, engine, buckets: Sequence[int] | None = None, capture: bool = True, query_len: int = 1) -> None:
-        if isinstance(query_len, bool) or not isinstance(query_len, int) or not 1 <= query_len <= engine.decode_threshold:
+    def __init__(self, engine, buckets: Sequence[int] | None = None, capture: bool = True,
+                 query_len: int = 1) -> None:
+        q = query_len
+        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= engine.decode_threshold:
             raise ValueError(f"query_len must be an int in [1, decode_threshold={engine.decode_threshold}], got "
                              f"{query_len!r}")
-        self.query_len = q = query_len
+        self.query_len = q
         cap = min(engine.max_num_reqs, engine.max_num_batched_tokens // q)
         buckets = sorted({b for b in (buckets or DEFAULT_BUCKETS) if isinstance(b, int) and 1 <= b <= cap})
         if not buckets:

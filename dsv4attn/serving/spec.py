@@ -213,7 +213,7 @@ class SpeculativeBatcher:
                 offsets = plan.offsets()
                 rows, where = [], {}
                 by_id = {r.rid: r for r in running}
-                for rid, t in tokens.items():
+                for rid in tokens:
                     r = by_id[rid]
                     o, n = offsets[("generate", rid)]
                     if r.fed >= len(r.prompt):  # decode: logits after every fed token
@@ -226,7 +226,7 @@ class SpeculativeBatcher:
                 model.end_step()
                 pred = logits.argmax(dim=-1).tolist()
                 done = []
-                for r in list(running):
+                for r in running:
                     if r.rid not in tokens:
                         continue
                     fed = tokens[r.rid]
