@@ -13,7 +13,7 @@ state dict loads with ``strict=True``. Per token at position ``p``:
 - inverse RoPE_p on the output's rope dims, grouped ``o_a_proj`` then ``o_b_proj``.
 
 :meth:`forward` runs one whole sequence from position 0 without caches (plain PyTorch; the
-executable spec). The paged, batched, incremental path is ``dsv4attn.layers.runner``.
+executable spec). The paged, batched, incremental path is ``dsv4attn.serving``.
 """
 
 from __future__ import annotations

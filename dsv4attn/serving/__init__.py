@@ -7,7 +7,8 @@
 - :func:`layer_step` / :class:`LayerCaches` (``paged``): one layer's batched step over its caches.
 - :class:`PagedDeepseekV4` (``model``): a transformers ``DeepseekV4ForCausalLM`` with every
   attention module on the engine; greedy ``generate`` with continuous batching.
-- ``demo`` / ``layer_demo`` / ``metadata_demo`` / ``cli``: the jobs behind ``python -m dsv4attn``.
+- ``cli`` / ``layer_demo`` / ``metadata_demo``: the jobs behind ``python -m dsv4attn`` (``generate``,
+  ``layer-demo``, ``metadata-demo``); ``scheduler``, ``graphs``, ``tiny``: see their docstrings.
 """
 
 from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan

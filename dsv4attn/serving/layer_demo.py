@@ -11,7 +11,7 @@ reference's own bf16 error is shown for scale on the low-precision path).
 Sizes: "small" (hidden 64, 4 heads x 80) always; "production" (64 heads x 512, window 128,
 top-k 512, fp8_ds_mla pages, bf16) only on CUDA. CPU runs fp32 with "auto" pages.
 
-    python -m dsv4attn.layers.demo [--requests N] [--sizes small,production] [--seed S]
+    python -m dsv4attn layer-demo [--requests N] [--sizes small,production] [--seed S]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The step holds decodes at very different contexts (1 token to 640K), one padded 
 the setting where engines' full-width C128A rows cost the most. Printed: what each group's
 builder produced for a few tokens, and the bytes each form writes.
 
-    python -m dsv4attn.metadata_demo
+    python -m dsv4attn metadata-demo
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""PagedAttentionEngine's public boundary: every bad call raises TypeError/ValueError/RuntimeError
+(or PoolExhaustedError) naming the problem before any state changes, and a run that interleaves
+refused steps with valid ones gives the surviving requests exactly the outputs of a control
+engine that only saw the valid steps."""
+
+import random
+
+import pytest
+import torch
+
+from dsv4attn.config import AttentionConfig
+from dsv4attn.kv_cache.allocator import PoolExhaustedError
+from dsv4attn.layers.attention import DeepseekV4Attention
+from dsv4attn.serving.engine import PagedAttentionEngine
+
+RATIOS = (1, 4, 128)
+
+
+def _layers(seed=0):
+    cfg = AttentionConfig(hidden_size=32, num_heads=2, head_dim=80, rope_dim=16, q_lora_rank=16, o_groups=1,
+                          o_lora_rank=8, window_size=8, index_num_heads=2, index_head_dim=32, index_topk=4,
+                          layer_kinds=("sliding", "csa", "hca"), compress_ratios=RATIOS)
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(3):
+        layer = DeepseekV4Attention(cfg, i)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.3)
+        layers.append(layer.eval())
+    return layers
+
+
+def _engine(layers, **kw):
+    kw = dict(max_model_len=300, max_num_batched_tokens=64, max_num_reqs=4, num_blocks=6, impl="reference") | kw
+    return PagedAttentionEngine(layers, "auto", **kw)
+
+
+def _state(e):
+    return (e.requests, [e.seq_len(r) for r in e.requests], {g: p.num_free for g, p in e.manager.pools.items()})
+
+
+def test_construction_refuses_bad_arguments():
+    layers = _layers()
+    for kw, err in [(dict(kv_cache_dtype="int4"), ValueError), (dict(impl="gpu"), ValueError),
+                    (dict(max_model_len=0), ValueError), (dict(max_num_reqs=True), ValueError),
+                    (dict(num_blocks=-3), ValueError), (dict(num_blocks=4, memory_bytes=10**6), ValueError)]:
+        with pytest.raises(err):
+            PagedAttentionEngine(layers, **({"kv_cache_dtype": "auto"} | kw))
+    with pytest.raises(TypeError, match="layers\\[1\\]"):
+        PagedAttentionEngine([layers[0], torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="at least one"):
+        PagedAttentionEngine([])
+    with pytest.raises(ValueError, match="one dtype"):
+        PagedAttentionEngine([layers[0], _layers()[1].to(torch.bfloat16)])
+
+
+def test_bad_calls_change_nothing():
+    layers = _layers()
+    e = _engine(layers)
+    e.begin_step({"a": 20})
+    for i in range(3):
+        e.run_layer(i, torch.randn(20, 32))
+    e.end_step()
+    before = _state(e)
+    bad_steps = [({None: 1}, ValueError), ({"b": 0}, ValueError), ({"b": -2}, ValueError), ({"b": 1.5}, TypeError),
+                 ({"b": True}, TypeError), ({"b": 65}, ValueError), ({"a": 281}, ValueError), ([("a", 1)], TypeError),
+                 ({}, ValueError), ({f"n{i}": 1 for i in range(4)}, ValueError)]
+    for step, err in bad_steps:
+        with pytest.raises(err):
+            e.begin_step(step)
+        assert _state(e) == before and not e.in_step
+    for call in (lambda: e.run_layer(0, torch.randn(1, 32)), e.end_step, e.abort_step):
+        with pytest.raises(RuntimeError):
+            call()
+    plan = e.begin_step({"a": 1, "b": 3})
+    with pytest.raises(RuntimeError, match="already open"):
+        e.begin_step({"c": 1})
+    with pytest.raises(RuntimeError, match="inside a step"):
+        e.free("a")
+    for i, h, err in [(3, torch.randn(4, 32), ValueError), (-1, torch.randn(4, 32), ValueError),
+                      (0, torch.randn(4, 31), ValueError), (0, torch.randn(3, 32), ValueError),
+                      (0, torch.randn(4, 32).double(), ValueError), (0, [[0.0] * 32] * 4, TypeError)]:
+        with pytest.raises(err):
+            e.run_layer(i, h)
+    e.run_layer(0, torch.randn(plan.num_tokens, 32))
+    with pytest.raises(RuntimeError, match="already ran"):
+        e.run_layer(0, torch.randn(plan.num_tokens, 32))
+    e.abort_step()
+    assert _state(e) == before
+    with pytest.raises(KeyError):
+        e.free("zz")
+
+
+def test_pool_exhaustion_message_names_group_and_setting():
+    e = _engine(_layers(), num_blocks=1)
+    e.begin_step({"a": 30})
+    e.end_step()
+    with pytest.raises(PoolExhaustedError) as info:
+        e.begin_step({"b": 2})
+    msg = str(info.value)
+    assert "'full_mla'" in msg and "num_blocks" in msg and "memory_bytes" in msg and "no request was changed" in msg
+
+
+def test_refused_steps_leave_survivors_equal_to_a_control():
+    layers = _layers(1)
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    test, control = _engine(layers), _engine(layers)
+    lens = {}
+    outs_t, outs_c = [], []
+    for s in range(40):
+        step = {}
+        for r in list(lens)[:3]:
+            step[r] = 1 if lens[r] >= 12 else rng.randint(1, 12)
+        if len(lens) < 3:
+            lens[f"r{s}"] = 0
+            step[f"r{s}"] = rng.randint(1, 20)
+        hidden = [torch.randn(sum(step.values()), 32, generator=gen) for _ in layers]
+        # a refused step first (bad id / too many tokens / bad count): must change nothing
+        bad = dict(step)
+        key = rng.choice([None, "huge", "neg"])
+        bad[key] = {None: 1, "huge": 200, "neg": -1}[key]
+        with pytest.raises((ValueError, TypeError)):
+            test.begin_step(bad)
+        for e, outs in ((test, outs_t), (control, outs_c)):
+            plan = e.begin_step(step)
+            rows = [torch.cat([h[sum(step[q] for q in list(step)[:list(step).index(r)]):][:step[r]]
+                               for r in plan.order]) for h in hidden]
+            outs.append([e.run_layer(i, rows[i]) for i in range(len(layers))])
+            e.end_step()
+        for r, n in step.items():
+            lens[r] += n
+        for r in [r for r, n in lens.items() if n > 40]:
+            for e in (test, control):
+                e.free(r)
+            del lens[r]
+    for a, b in zip(outs_t, outs_c):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert _state(test) == _state(control)
