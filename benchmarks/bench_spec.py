@@ -5,8 +5,9 @@ window 128, indexer 64 x 128 top-k 512), bf16 weights, fp8_ds_mla caches, one la
 kind. B requests at context ``ctx`` each feed ``1 + k`` tokens (the last accepted token and k
 drafts; k = 0 is plain decode), k in 0..3, B in {64, 256}:
 
-1. per layer: the layer step (eager, and the static form a CUDA graph captures:
-   ``layer_step(..., max_model_len=...)``) with its roofline floor; ``x plain`` = time / time
+1. per layer: the layer step (eager; the static form a CUDA graph captures,
+   ``layer_step(..., max_model_len=...)``, run eagerly; and on CUDA its graph replayed, from
+   ``enable_cuda_graphs``: one ``DecodeGraphs`` per query length 1 + k) with its roofline floor; ``x plain`` = time / time
    at k = 0 of the same B (a verify step of 1 + k tokens is worth it when ``x plain`` stays
    below the expected tokens per step, 1 + accepted drafts);
 2. whole engine step: ``begin_step`` (block tables + metadata, once for all layers) + every
@@ -86,6 +87,23 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
         step_rows.append(Row(f"engine step B={batch} k={k} ({len(layers)} layers)", us, extra={
             "tokens": T, "x plain": f"{us / base['step']:.2f}",
             "rollback+commit us (host)": f"{sorted(undo_us)[2]:.0f}"}))
+    if dev.type == "cuda":  # the same verify steps replayed from CUDA graphs (DecodeGraphs(query_len=1+k))
+        eng.enable_cuda_graphs(buckets=(batch,))
+        for k in ks:
+            step = {r: 1 + k for r in range(batch)}
+            T = batch * (1 + k)
+            plan = eng.begin_step(step)
+            g = eng._graphs_for(plan.query_lens)
+            assert plan.bucket == batch and g.query_len == 1 + k
+            g.inputs[batch].copy_(torch.randn(T, cfg.hidden_size, device=dev, dtype=layers[0].sinks.dtype))
+            for i, layer in enumerate(layers):
+                us = median_us(g.graphs[(i, batch)].replay)
+                key = (i, "graph")
+                base.setdefault(key, us) if k == 0 else None
+                layer_rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} B={batch} k={k} graph", us, T, ctx, {
+                    "tokens": T, "us/token": f"{us / T:.2f}",
+                    "x plain": f"{us / base[key]:.2f}" if key in base else "-"}))
+            eng.abort_step()
     return layer_rows, step_rows
 
 
