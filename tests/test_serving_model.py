@@ -40,6 +40,9 @@ def _impl(device):
 @pytest.mark.parametrize("budget,chunk,max_reqs", [(512, None, 16), (64, 5, 16), (40, 1, 3), (130, 64, 2)])
 def test_greedy_equals_transformers(tiny, device, budget, chunk, max_reqs):
     model, prompts, want = tiny
+    if chunk == 1:  # one prompt token per step: the short prompts and one past 128 suffice (CI time)
+        keep = [i for i, n in enumerate(LENGTHS) if n < 10 or n == 129]
+        prompts, want = [prompts[i] for i in keep], [want[i] for i in keep]
     pm = PagedDeepseekV4(model.to(device), max_model_len=256, max_num_batched_tokens=512, max_num_reqs=max_reqs,
                          impl=_impl(device))
     got = pm.generate(prompts, NEW, token_budget=budget, chunk_size=chunk)
