@@ -1,6 +1,7 @@
 # Two entry points for a newcomer: `make demo` and `make test`.
-# Both create .venv if it is missing. torch is pinned to the CPU wheel for set-up on CPU
-# machines; on a machine that already has a CUDA torch, use PYTHON=python3 to skip the venv.
+# Both create .venv if it is missing; `make test` runs ruff, mypy, then pytest. torch is pinned
+# to the CPU wheel for set-up on CPU machines; on a machine that already has a CUDA torch, use
+# PYTHON=python3 to skip the venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -20,6 +21,8 @@ demo: $(STAMP)
 	$(PY) -m dsv4attn generate --tiny 0 --check
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:

@@ -103,7 +103,7 @@ def main() -> None:
                             flops=2 * batch * weights + 4 * batch * cfg.num_heads * cfg.head_dim * n,
                             bytes=wbytes + batch * n * ENTRY_BYTES,
                             extra={"tok/s": f"{batch / (us * 1e-6):.0f}"}))
-            del runner
+            runner = None  # free the caches before the next case
         for c in prefill_cases:
             runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=-(-c // 256) + 4, device=dev,
                                      max_num_batched_tokens=c, max_model_len=c)
@@ -121,7 +121,7 @@ def main() -> None:
                             flops=2 * c * weights + 4 * c * cfg.num_heads * cfg.head_dim * n,
                             bytes=wbytes + c * ENTRY_BYTES,
                             extra={"tok/s": f"{c / (us * 1e-6):.0f}"}))
-            del runner
+            runner = None  # free the caches before the next case
     print_table("DeepSeek-V4 attention layer step (AttentionRunner, fp8_ds_mla, bf16)", rows, ceil)
 
 

@@ -30,7 +30,7 @@ def make_batch(num_reqs: int, query_len: int, context: int, cfg: MetadataConfig,
     t = num_reqs * query_len
     slot_mapping = torch.arange(t, dtype=torch.int64, device=device)
     return BatchMetadata.from_requests([query_len] * num_reqs, [context] * num_reqs,
-                                       {"swa": swa, "c4": mla, "c128": mla}, slot_mapping)
+                                       {"swa": swa, "full_mla": mla}, slot_mapping)
 
 
 def graph_replay_us(build) -> float | None:

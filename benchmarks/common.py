@@ -55,7 +55,7 @@ class Ceilings:
         x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
         t_mm = median_us(lambda: x @ y) * 1e-6
-        del a, b, x, y
+        a = b = x = y = None  # free the buffers before empty_cache (the lambdas above are done)
         torch.cuda.empty_cache()
         return cls(copy_bytes_per_s=2 * n / t_copy, mma_flops=2 * m**3 / t_mm)
 

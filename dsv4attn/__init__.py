@@ -1,94 +1,82 @@
 """dsv4attn: the DeepSeek-V4 sparse attention backend (FLASHMLA_SPARSE_DSV4) in Python + Triton.
 
-Public API only. Every op takes ``impl="auto" | "triton" | "reference"`` as its last keyword:
-"auto" runs the Triton kernel on capable CUDA devices and the PyTorch reference elsewhere.
+The package root holds the small API most users need; everything else lives in subpackages:
+
+=========================  =====================================================================
+``dsv4attn``               engine-compatible functions, the backend, the configs, the layer, the
+                           runner / model wrapper, the sparse-attention op
+``dsv4attn.kv_cache``      page formats (``layout``), the slot formula (``slots``), cache specs
+                           and groups (``specs``), block allocator, memory accounting
+``dsv4attn.metadata``      per-step batch description and builders (``BatchMetadata``,
+                           ``StepMetadataBuilder``, ``MetadataConfig``)
+``dsv4attn.ops``           public ops: validate -> allocate -> dispatch (cache writers, metadata,
+                           sparse attention)
+``dsv4attn.reference``     plain-PyTorch executable spec of every op
+``dsv4attn.kernels``       Triton kernels (@triton.jit only) and shared Triton helpers
+``dsv4attn.layers``        the DeepSeek-V4 attention layer and its pieces (compressor, indexer,
+                           RoPE, norms)
+``dsv4attn.serving``       runner, paged step, model wrapper (when installed from this tree)
+``dsv4attn.testing``       test oracles (transformers) and tolerance rules
+=========================  =====================================================================
+
+Every op takes ``impl="auto" | "triton" | "reference"`` as its last keyword: "auto" runs the
+Triton kernel on capable CUDA devices and the PyTorch reference elsewhere. Library code logs to
+the ``dsv4attn`` logger and never prints.
 """
 
-from dsv4attn.backend import BACKEND_NAME, DeepseekV4SparseBackend, normalize_kv_cache_dtype
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from dsv4attn.backend import BACKEND_NAME, DeepseekV4MetadataBuilder, DeepseekV4SparseBackend
 from dsv4attn.config import AttentionConfig, RopeConfig
 from dsv4attn.flashmla_compat import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
-from dsv4attn.kv_cache.accounting import dense_mla_bytes, footprint_table, request_footprint
-from dsv4attn.kv_cache.allocator import NULL_BLOCK, BlockPool, KVCacheManager, PoolExhaustedError
-from dsv4attn.kv_cache.layout import (
-    FP8DSMLALayout,
-    alloc_fp8_ds_mla_cache,
-    dequantize_fp8_ds_mla,
-    quantize_fp8_ds_mla,
-)
-from dsv4attn.kv_cache.specs import CacheConfig, CacheSpec, GroupSpec, cache_groups, layer_cache_specs, v4_flash_config
-from dsv4attn.layers import DeepseekV4Attention
-from dsv4attn.metadata.batch import BatchMetadata, split_decodes_and_prefills
-from dsv4attn.metadata.builders import (
-    CompressedMetadata,
-    MetadataConfig,
-    StepMetadata,
-    StepMetadataBuilder,
-    SWAMetadata,
-    metadata_bytes_written,
-)
-from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
+from dsv4attn.kv_cache.specs import CacheConfig
+from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.metadata import (
-    build_c128a_topk_metadata,
-    compute_c128a_range_lengths,
-    compute_global_topk_indices_and_lens,
-    compute_swa_indices_and_lens,
-    compute_swa_ranges,
-    get_compressed_slot_mapping,
-)
+from dsv4attn.ops.metadata import build_c128a_topk_metadata, get_compressed_slot_mapping
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-from dsv4attn.serving import AttentionRunner, LayerCaches, layer_step
-from dsv4attn.reference.cache_ops import alloc_indexer_k_cache, dequantize_indexer_k
+
+__version__ = "0.2.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+#: Serving names resolved on first use from ``dsv4attn.serving`` (or, in trees that predate it,
+#: ``dsv4attn.layers``), so the root does not import the serving stack eagerly.
+_SERVING = ("AttentionRunner", "PagedDeepseekV4")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SERVING:
+        for module in ("dsv4attn.serving", "dsv4attn.layers"):
+            try:
+                value = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                continue
+            globals()[name] = value
+            return value
+        raise AttributeError(f"dsv4attn.{name} is not available in this build")
+    raise AttributeError(f"module 'dsv4attn' has no attribute {name!r}")
+
 
 __all__ = [
     "BACKEND_NAME",
     "AttentionConfig",
     "AttentionRunner",
-    "BatchMetadata",
-    "BlockPool",
     "CacheConfig",
-    "CacheSpec",
     "CandidateSet",
-    "CompressedMetadata",
     "DeepseekV4Attention",
+    "DeepseekV4MetadataBuilder",
     "DeepseekV4SparseBackend",
-    "FP8DSMLALayout",
-    "GroupSpec",
-    "KVCacheManager",
-    "LayerCaches",
-    "MetadataConfig",
-    "NULL_BLOCK",
-    "PoolExhaustedError",
+    "PagedDeepseekV4",
     "RopeConfig",
-    "SWAMetadata",
-    "StepMetadata",
-    "StepMetadataBuilder",
-    "alloc_fp8_ds_mla_cache",
-    "alloc_indexer_k_cache",
+    "__version__",
     "build_c128a_topk_metadata",
-    "cache_groups",
-    "compute_c128a_range_lengths",
-    "compute_global_topk_indices_and_lens",
-    "compute_swa_indices_and_lens",
-    "compute_swa_ranges",
-    "dense_mla_bytes",
-    "dequantize_fp8_ds_mla",
-    "dequantize_indexer_k",
     "flash_mla_sparse_fwd",
     "flash_mla_with_kvcache",
-    "footprint_table",
     "get_compressed_slot_mapping",
     "get_mla_metadata",
-    "insert_indexer_k",
-    "insert_kv",
-    "layer_cache_specs",
-    "layer_step",
-    "metadata_bytes_written",
-    "normalize_kv_cache_dtype",
-    "quantize_fp8_ds_mla",
-    "request_footprint",
     "sparse_mla_attention",
-    "split_decodes_and_prefills",
-    "v4_flash_config",
-    "write_compressor_state",
 ]

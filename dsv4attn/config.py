@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dsv4attn._checks import check_float, check_int
+
 #: Layer kinds, in the order of the HF names below.
 LAYER_KINDS = ("sliding", "csa", "hca")
 #: HF ``layer_types`` value -> our layer kind.
@@ -44,7 +46,8 @@ ROPE_TYPES = ("default", "yarn")
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    check_int(name, value)
+    if value <= 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -68,8 +71,9 @@ class RopeConfig:
     attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.theta, (int, float)) and self.theta > 0):
-            raise ValueError(f"theta must be a positive number, got {self.theta!r}")
+        check_float("theta", self.theta, positive=True)
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            check_float(name, getattr(self, name))
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
         if self.rope_type == "yarn":
@@ -86,12 +90,13 @@ class RopeConfig:
             return extrapolated
         interpolated = 1.0 / (self.factor * pos_freqs)
         orig = self.original_max_position_embeddings
+        assert orig is not None  # checked in __post_init__ for yarn
 
         def correction_dim(num_rotations: float) -> float:
             return (rope_dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(self.theta))
 
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
+        high: float = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp (same guard as the YaRN reference)
         ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -165,12 +170,20 @@ class AttentionConfig:
             "window_size", "index_num_heads", "index_head_dim", "index_topk", "max_position_embeddings",
         ):
             _positive_int(name, getattr(self, name))
+        for name in ("layer_kinds", "compress_ratios"):
+            if isinstance(getattr(self, name), (str, bytes)) or not hasattr(getattr(self, name), "__iter__"):
+                raise TypeError(f"{name} must be a sequence, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "layer_kinds", tuple(self.layer_kinds))
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for i, r in enumerate(self.compress_ratios):
+            check_int(f"compress_ratios[{i}]", r)
         if self.rope_dim % 2 or self.rope_dim >= self.head_dim:
             raise ValueError(f"rope_dim must be even and < head_dim={self.head_dim}, got {self.rope_dim}")
-        if (self.num_heads * self.head_dim) % self.o_groups or self.num_heads % self.o_groups:
-            raise ValueError(f"num_heads={self.num_heads} must be divisible by o_groups={self.o_groups}")
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            # The grouped output projection splits the H * D attention output into o_groups equal
+            # parts (as the reference does); heads need not divide evenly.
+            raise ValueError(f"num_heads * head_dim = {self.num_heads * self.head_dim} must be divisible by "
+                             f"o_groups={self.o_groups}")
         if not self.layer_kinds or len(self.layer_kinds) != len(self.compress_ratios):
             raise ValueError(
                 f"layer_kinds ({len(self.layer_kinds)}) and compress_ratios ({len(self.compress_ratios)}) "
@@ -183,8 +196,10 @@ class AttentionConfig:
                 raise ValueError(f"layer {i}: kind {kind!r} needs ratio 1 iff sliding (ratio >= 2 otherwise), got {ratio}")
         if "csa" in self.layer_kinds and self.index_head_dim <= self.rope_dim:
             raise ValueError(f"index_head_dim={self.index_head_dim} must exceed rope_dim={self.rope_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        check_float("rms_norm_eps", self.rms_norm_eps, positive=True)
+        for name in ("main_rope", "compress_rope"):
+            if not isinstance(getattr(self, name), RopeConfig):
+                raise TypeError(f"{name} must be a RopeConfig, got {type(getattr(self, name)).__name__}")
 
     # ---- derived --------------------------------------------------------------------------
     @property
@@ -219,14 +234,24 @@ class AttentionConfig:
     # ---- HF bridge ------------------------------------------------------------------------
     @staticmethod
     def from_hf(hf_config: Any) -> "AttentionConfig":
-        """Read a HF ``DeepseekV4Config`` (transformers >= 5.17) or an object with its fields.
+        """Read a HF ``DeepseekV4Config`` (transformers >= 5.17), a ``config.json`` dict, or any
+        object with the same fields. Missing required fields raise ``ValueError`` naming them.
 
         Layer schedule: ``layer_types`` with ``compress_rates`` if present, else the legacy
         per-layer ``compress_ratios`` (0 -> sliding). RoPE: ``rope_parameters["main"]`` and
         ``["compress"]`` when nested, else built from ``rope_theta`` / ``compress_rope_theta``
         (+ the flat scaling keys for the compress table, as the HF config does).
         """
-        get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        get: Any
+        if isinstance(hf_config, dict):
+            get = hf_config.get
+        else:
+            get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        required = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                    "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "num_hidden_layers")
+        missing = [k for k in required if get(k) is None]
+        if missing:
+            raise ValueError(f"hf_config lacks required field(s) {missing}")
         head_dim = get("head_dim")
         rope_dim = get("qk_rope_head_dim")
         if rope_dim is None:
@@ -247,7 +272,7 @@ class AttentionConfig:
                 raise ValueError(f"hf_config.layer_types[{i}] = {t!r} is not a DeepSeek-V4 attention type")
             kinds.append(HF_LAYER_TYPE_TO_KIND[t])
             ratios.append(1 if t == "sliding_attention" else int(rates[t]))
-        rp = get("rope_parameters") or {}
+        rp = get("rope_parameters") or get("rope_scaling") or {}  # config.json files carry rope_scaling
         if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
             main_rope = RopeConfig.from_hf_params(rp["main"])
             compress_rope = RopeConfig.from_hf_params(rp["compress"])

@@ -67,7 +67,8 @@ def compile_report(fn, constexprs: dict, num_warps: int, num_stages: int, q_dtyp
 
 def ptxas_usage(ptx: str, name: str) -> tuple[int, int]:
     """Registers and spill bytes (stores) that Triton 3.9's bundled CUDA 13 ptxas reports for sm_90a."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # CUDA 13 ptxas: Triton 3.9 emits PTX 9.x
+    # CUDA 13 ptxas: Triton 3.9 emits PTX 9.x
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.ptx"
         f.write_text(ptx)

@@ -8,7 +8,13 @@ from dsv4attn.backend import BACKEND_NAME, DeepseekV4SparseBackend as B, normali
 
 def test_names_and_flags():
     assert B.get_name() == BACKEND_NAME == "FLASHMLA_SPARSE_DSV4"
-    assert B.is_mla and B.is_sparse and B.supports_attn_sink
+    assert B.is_mla() is True and B.is_sparse() is True and B.supports_sink() is True
+    assert not B.is_ssm() and not B.supports_non_causal() and B.supports_attn_type("decoder")
+    assert B.supports_head_size(512) and not B.supports_head_size(576)
+    assert B.supports_kv_cache_dtype("fp8") and B.supports_kv_cache_dtype(None) and not B.supports_kv_cache_dtype("fp4")
+    assert B.supports_block_size(256) and B.supports_block_size(512) and not B.supports_block_size(64)
+    assert B.supports_dtype(torch.bfloat16) and not B.supports_dtype(torch.float16)
+    assert B.get_kv_cache_stride_order() == (0, 1, 2) and B.indexes_kv_by_block_stride()
     assert B.get_supported_dtypes() == (torch.bfloat16,)
     assert B.get_supported_kernel_block_sizes() == [256]
     assert (B.head_size, B.nope_dim, B.rope_dim) == (512, 448, 64)
@@ -57,3 +63,29 @@ def test_validate_configuration():
     assert B.validate_configuration(512, torch.bfloat16, "fp8", 256, 64) == []
     reasons = B.validate_configuration(256, torch.float16, "fp4", 100, 200)
     assert len(reasons) == 5
+
+
+def test_validate_configuration_with_engine_flags():
+    ok = B.validate_configuration(512, torch.bfloat16, "fp8_ds_mla", 256, use_mla=True, has_sink=True,
+                                  use_sparse=True, use_mm_prefix=False, use_per_head_quant_scales=False,
+                                  device_capability=(9, 0), attn_type="decoder")
+    assert ok == []
+    bad = B.validate_configuration(512, torch.bfloat16, "fp8_ds_mla", 256, use_mla=False, use_sparse=False,
+                                   device_capability=(7, 5), attn_type="encoder")
+    assert len(bad) == 4
+    with pytest.raises(TypeError, match="unknown"):
+        B.validate_configuration(512, torch.bfloat16, "auto", 256, use_magic=True)
+
+
+def test_builder_class_builds_as_engines_call_it():
+    from dsv4attn.metadata import BatchMetadata, MetadataConfig
+
+    cls = B.get_builder_cls()
+    builder = cls(MetadataConfig(max_num_batched_tokens=8, max_num_reqs=2, max_model_len=512, num_blocks=8,
+                                 form="range"), "cpu")
+    bt = torch.zeros(2, 8, dtype=torch.int32)
+    batch = BatchMetadata.from_requests([1, 3], [5, 3], {"swa": bt, "full_mla": bt})
+    step = builder.build(0, batch)
+    assert isinstance(step, B.get_metadata_cls()) and step.swa.lengths.tolist() == [5, 1, 2, 3]
+    with pytest.raises(ValueError, match="common_prefix_len"):
+        builder.build(4, batch)

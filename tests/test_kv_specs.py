@@ -88,7 +88,7 @@ def test_bad_config():
     with pytest.raises(ValueError, match="compress_ratios"):
         CacheConfig(compress_ratios=(2,))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="nope_dim"):
         CacheConfig(head_dim=100)
 

@@ -11,24 +11,22 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4attn.kernels.cache_ops import _page_offset
+from dsv4attn.kernels.common import page_offset
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, KVCacheManager
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
     alloc_fp8_ds_mla_cache,
+    alloc_indexer_k_cache,
     dequantize_fp8_ds_mla,
+    dequantize_indexer_k,
     encode_pages,
+    indexer_pages_of,
     pages_of,
     quantize_fp8_ds_mla,
+    quantize_indexer_k,
 )
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
-from dsv4attn.reference.cache_ops import (
-    alloc_indexer_k_cache,
-    dequantize_indexer_k,
-    indexer_pages_of,
-    quantize_indexer_k,
-)
 
 IMPLS = ["reference", "triton"]
 POISON = 0xFF  # an e4m3 NaN byte, an impossible scale byte
@@ -282,9 +280,9 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(TypeError, match="cache"):
         insert_kv(x, s, torch.zeros(2, 4, 584, dtype=torch.int8))
     with pytest.raises(ValueError, match="block stride"):
-        insert_kv(x, s, torch.zeros(2, 4, 584, dtype=torch.uint8))  # stride 2336 < page 2880
+        insert_kv(x, s, torch.zeros(8000, dtype=torch.uint8).as_strided((2, 4, 584), (2000, 584, 1)))  # < 4 * 584
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        insert_kv(x, s, cache, "fp8")
+        insert_kv(x, s, cache, "int8")
     with pytest.raises(ValueError, match="cache"):
         insert_kv(x, s, torch.zeros(2, 4, 256, dtype=torch.bfloat16), "auto")
     with pytest.raises(ValueError, match="contiguous"):
@@ -318,7 +316,7 @@ def test_bad_inputs_raise_before_launch():
 @triton.jit
 def _page_offset_probe_kernel(slot_ptr, out_ptr, block_size, stride_block):
     i = tl.program_id(0)
-    page, off = _page_offset(tl.load(slot_ptr + i), block_size, stride_block)
+    page, off = page_offset(tl.load(slot_ptr + i), block_size, stride_block)
     tl.store(out_ptr + 2 * i, page)
     tl.store(out_ptr + 2 * i + 1, off)
 
@@ -399,3 +397,20 @@ def test_allocator_slots_round_trip_through_writer_and_block_table(device):
     assert torch.equal(got, want)
     got_c = dequantize_fp8_ds_mla(comp_cache).cpu().reshape(-1, 512)[comp_slots[done]]
     assert torch.equal(got_c, want[done])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_contiguous_fp8_cache_as_the_engine_tests_allocate(impl, device):
+    """Block stride block_size * 584 (no page padding) is accepted and holds the same entry bytes
+    as the padded layout; "fp8" is an alias of "fp8_ds_mla"; a one-block cache dequantises."""
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([0, 3, 4, 7, 6])
+    padded = alloc_fp8_ds_mla_cache(2, 4, device=device)
+    flat = torch.zeros(2, 4, 584, dtype=torch.uint8, device=device)
+    insert_kv(x.to(device), slots.to(device), padded, impl=impl)
+    insert_kv(x.to(device), slots.to(device), flat, "fp8", impl=impl)
+    assert torch.equal(pages_of(flat)[:, : 4 * 584], pages_of(padded)[:, : 4 * 584])
+    assert torch.equal(dequantize_fp8_ds_mla(flat), dequantize_fp8_ds_mla(padded))
+    one = torch.zeros(1, 4, 584, dtype=torch.uint8, device=device)
+    insert_kv(x[:2].to(device), torch.tensor([1, 2], device=device), one, impl=impl)
+    assert torch.equal(dequantize_fp8_ds_mla(one)[0, 1:3], dequantize_fp8_ds_mla(padded)[0, [0, 3]])

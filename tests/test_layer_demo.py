@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 demo = pytest.importorskip("dsv4attn.serving.layer_demo")

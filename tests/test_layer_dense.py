@@ -12,9 +12,10 @@ import torch
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.indexer import select_topk
+from dsv4attn.testing import assert_close_rel
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
+hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
 
 
 def _pair(layer_idx, seed=0, **overrides):
@@ -26,12 +27,7 @@ def _pair(layer_idx, seed=0, **overrides):
 
 
 def _close(a, b, rel=1e-5, skip=None):
-    """Max-abs check relative to b's max; ``skip`` (bool [T]) drops tokens whose indexer top-k
-    has a tie at the boundary (any tie-break is right there; the reference's is arbitrary)."""
-    if skip is not None:
-        a, b = a[~skip.cpu()], b[~skip.cpu()]
-    err = (a - b).abs().max().item()
-    assert err <= rel * max(b.abs().max().item(), 1e-6), f"max abs err {err}"
+    assert_close_rel(a, b, rel, skip)
 
 
 def test_parameter_names_and_shapes_match_reference():

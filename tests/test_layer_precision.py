@@ -21,9 +21,10 @@ import torch
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.runner import AttentionRunner
+from dsv4attn.testing import assert_within_reference_error
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
+hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
 
 KINDS = [(0, "sliding"), (1, "csa"), (2, "hca")]
 
@@ -70,15 +71,13 @@ def test_bf16_error_within_reference_bound(layer_idx, kind, kv_cache_dtype, fact
     ref_bf16 = copy.deepcopy(ref).to(torch.bfloat16)
     impl = "auto" if device.type == "cuda" else "reference"
     got = _run(ours, seqs, kv_cache_dtype, device, impl, torch.bfloat16)
-    e, e_ref = [], []
+    gots, lows, golds = [], [], []
     for k, x in seqs.items():
-        gold = hf_oracle.hf_forward(ref, x)
-        e_ref.append((hf_oracle.hf_forward(ref_bf16, x.bfloat16()).float() - gold).abs())
-        e.append((got[k] - gold).abs())
-    e, e_ref = torch.cat(e), torch.cat(e_ref)
-    assert e.mean() <= factor * e_ref.mean(), (e.mean().item(), e_ref.mean().item())
-    if kind != "csa":
-        assert e.max() <= factor * e_ref.max(), (e.max().item(), e_ref.max().item())
+        golds.append(hf_oracle.hf_forward(ref, x))
+        lows.append(hf_oracle.hf_forward(ref_bf16, x.bfloat16()).float())
+        gots.append(got[k])
+    assert_within_reference_error(torch.cat(gots), torch.cat(lows), torch.cat(golds), factor,
+                                  check_max=kind != "csa")
 
 
 @pytest.mark.parametrize("layer_idx,kind,kv_cache_dtype,T", [

@@ -21,7 +21,7 @@ from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
+hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
 
 KINDS = [(0, "sliding", 1), (1, "csa", 4), (2, "hca", 128)]
 HIDDEN = 64

@@ -12,7 +12,7 @@ from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.runner import AttentionRunner
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-hf_oracle = pytest.importorskip("dsv4attn.layers.hf_oracle")
+hf_oracle = pytest.importorskip("dsv4attn.testing.hf_oracle")
 
 from test_layer_runner import _close, _interleave  # noqa: E402
 

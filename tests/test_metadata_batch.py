@@ -12,7 +12,7 @@ from dsv4attn.metadata import BatchMetadata, split_decodes_and_prefills
 
 def tables(num_reqs: int, cols: int = 64, device="cpu"):
     bt = torch.arange(num_reqs * cols, dtype=torch.int32, device=device).view(num_reqs, cols)
-    return {"swa": bt, "c4": bt, "c128": bt}
+    return {"swa": bt, "full_mla": bt}
 
 
 @settings(max_examples=150, deadline=None)
@@ -80,7 +80,7 @@ def test_from_tensors_and_positions(device):
         (dict(query_lens=[1], seq_lens=[3], block_tables={"swa": torch.zeros(1, 4)}), TypeError, "block_tables"),
         (dict(query_lens=[1], seq_lens=[3], block_tables={"swa": torch.zeros(0, 4, dtype=torch.int32)}),
          ValueError, "rows"),
-        (dict(query_lens=[1], seq_lens=[3], block_tables={"c4": torch.zeros(1, 4, dtype=torch.int32)}),
+        (dict(query_lens=[1], seq_lens=[3], block_tables={"full_mla": torch.zeros(1, 4, dtype=torch.int32)}),
          ValueError, "swa"),
         (dict(query_lens=[1], seq_lens=[3], block_tables={"swa": torch.zeros(1, 4, dtype=torch.int32),
                                                           "xx": torch.zeros(1, 4, dtype=torch.int32)}),

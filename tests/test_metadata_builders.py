@@ -19,7 +19,7 @@ HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
 def make_config(form: str, **kw) -> MetadataConfig:
-    nb = {"swa": MAX_R * SWA_COLS + 3, "c4": MAX_R * MLA_COLS + 3, "c128": MAX_R * MLA_COLS + 3}
+    nb = {"swa": MAX_R * SWA_COLS + 3, "full_mla": MAX_R * MLA_COLS + 3}
     return MetadataConfig(max_num_batched_tokens=MAX_T, max_num_reqs=MAX_R, max_model_len=MAX_MODEL_LEN,
                           num_blocks=kw.pop("num_blocks", nb), form=form, **kw)
 
@@ -29,7 +29,7 @@ def make_batch(ql, sl, pad, seed, device, spec=0):
     r = len(ql)
     swa = torch.randperm(MAX_R * SWA_COLS, generator=g)[: r * SWA_COLS].to(torch.int32).view(r, SWA_COLS)
     mla = torch.randperm(MAX_R * MLA_COLS, generator=g)[: r * MLA_COLS].to(torch.int32).view(r, MLA_COLS)
-    tabs = {"swa": swa.to(device), "c4": mla.to(device), "c128": mla.to(device)}
+    tabs = {"swa": swa.to(device), "full_mla": mla.to(device)}
     sm = torch.arange(sum(ql), dtype=torch.int64) * 5
     sm[torch.tensor(pad, dtype=torch.bool)] = -1
     return BatchMetadata.from_requests(ql, sl, tabs, sm.to(device), num_speculative_tokens=spec)
@@ -57,7 +57,7 @@ def slot(bt, req, e, bs):
 def check_against_oracle(step, cfg):
     """Every candidate set of every token, by loops over tokens."""
     b = step.batch
-    swa, mla = b.block_tables["swa"].tolist(), b.block_tables["c128"].tolist()
+    swa, mla = b.block_tables["swa"].tolist(), b.block_tables["full_mla"].tolist()
     sm = b.slot_mapping.tolist()
     toks = [(q, s - ql + i) for q, (ql, s) in enumerate(zip(b.query_lens_cpu, b.seq_lens_cpu)) for i in range(ql)]
     assert step.token_to_req.tolist() == [q for q, _ in toks]
@@ -162,11 +162,13 @@ def test_buffer_addresses_stable_across_builds(device):
 def test_global_topk_through_builder(impl, device):
     builder = StepMetadataBuilder(make_config("range", index_topk=16), device)
     step = builder.build(make_batch([1, 1, 3], [100, 2000, 900], [False, True, False, False, False], 2, device))
-    loc = torch.tensor([[0, 5, -1], [1, 2, 3], [-1, -1, -1], [63, 64, 200], [7, -1, 9]], dtype=torch.int32)
+    # Entry 25 of token 0 (position 99 sees entries 0..24) and every entry of the padded token 1
+    # are past the token's own context: holes, never another request's blocks.
+    loc = torch.tensor([[0, 5, 25], [1, 2, 3], [-1, -1, -1], [63, 64, 200], [7, -1, 9]], dtype=torch.int32)
     g, lens = builder.global_topk(step, loc.to(device), impl=impl)
-    mla = step.batch.block_tables["c4"].tolist()
-    reqs = [0, 1, 2, 2, 2]
-    want = [[slot(mla, reqs[t], i, 64) if i >= 0 else -1 for i in row] for t, row in enumerate(loc.tolist())]
+    mla = step.batch.block_tables["full_mla"].tolist()
+    reqs, limit = [0, 1, 2, 2, 2], [25, 0, 224, 224, 225]
+    want = [[slot(mla, reqs[t], i, 64) if 0 <= i < limit[t] else -1 for i in row] for t, row in enumerate(loc.tolist())]
     assert g.tolist() == want and lens.tolist() == [2, 0, 0, 3, 2]
     with pytest.raises(ValueError, match="topk_local"):
         builder.global_topk(step, torch.zeros(5, 17, dtype=torch.int32, device=device))
@@ -184,17 +186,17 @@ def test_builder_rejects(device):
         StepMetadataBuilder(MetadataConfig(max_num_batched_tokens=8, max_num_reqs=2, max_model_len=100,
                                            num_blocks=10**6), device).build(make_batch([1], [101], [False], 0, device))
     # block id beyond num_blocks in a used column of each group
-    for group, nb in [("swa", {"swa": 5, "c4": 10**6, "c128": 10**6}), ("c128", {"swa": 10**6, "c4": 10**6, "c128": 3})]:
+    for group, nb in [("swa", {"swa": 5, "full_mla": 10**6}), ("full_mla", {"swa": 10**6, "full_mla": 3})]:
         b = make_batch([1, 1], [3000, 700], [False, False], 0, device)
         with pytest.raises(ValueError, match=f"block_tables\\['{group}'\\]"):
             StepMetadataBuilder(make_config("full", num_blocks=nb), device).build(b)
     # a -1 (unallocated) block inside the used range
     b = make_batch([1], [3000], [False], 0, device)
-    b.block_tables["c4"][0, 2] = -1
+    b.block_tables["full_mla"][0, 2] = -1
     with pytest.raises(ValueError, match="not a block id"):
         builder.build(b)
     # table too narrow for the context
-    tabs = {g: torch.zeros(1, 2, dtype=torch.int32, device=device) for g in ("swa", "c4", "c128")}
+    tabs = {g: torch.zeros(1, 2, dtype=torch.int32, device=device) for g in ("swa", "full_mla")}
     with pytest.raises(ValueError, match="columns"):
         builder.build(BatchMetadata.from_requests([1], [1000], tabs, torch.zeros(1, dtype=torch.int64, device=device)))
     # missing group
@@ -222,8 +224,8 @@ def test_bytes_follow_real_context_not_max_model_len():
     the real-context form writes round_up(n, 128) and the range form one length per token."""
     from dsv4attn.metadata import metadata_bytes_written
 
-    cfg = MetadataConfig(max_num_batched_tokens=8192, max_num_reqs=64, max_model_len=1 << 20, num_blocks=1 << 30)
-    tabs = {g: torch.zeros(64, 1, dtype=torch.int32) for g in ("swa", "c4", "c128")}
+    cfg = MetadataConfig(max_num_batched_tokens=8192, max_num_reqs=64, max_model_len=1 << 20, num_blocks=1 << 20)
+    tabs = {g: torch.zeros(64, 1, dtype=torch.int32) for g in ("swa", "full_mla")}
     batch = BatchMetadata.from_requests([1] * 64, [8192] * 64, tabs, torch.zeros(64, dtype=torch.int64))
     full = metadata_bytes_written(batch, cfg, "full")
     real = metadata_bytes_written(batch, cfg, "real")

@@ -45,6 +45,16 @@ def token_table(query_lens, seq_lens):
     return out
 
 
+def engine_cp_slot(row, c, bs, world, rank, il):
+    """vLLM's compressed-slot formula for entry c (dsv4-system.md 4.4), -1 off this rank or past
+    the table: virtual blocks of bs * world entries, dealt in chunks of il."""
+    vbs = bs * world
+    blk, voff = c // vbs, c % vbs
+    if (voff // il) % world != rank or blk >= len(row):
+        return -1
+    return row[blk] * bs + (voff // (world * il)) * il + voff % il
+
+
 def slot_of(bt, req, e, bs):
     col = e // bs
     if col >= len(bt[req]):
@@ -108,9 +118,7 @@ def test_compressed_slot_mapping_property(impl, examples, device):
         for req, p in token_table(ql, sl):
             s = -1
             if (p + 1) % ratio == 0:
-                k = (p + 1) // ratio - 1
-                if (k // il) % world == rank:
-                    s = slot_of(btl, req, (k // (il * world)) * il + k % il, bs)
+                s = engine_cp_slot(btl[req], p // ratio, bs, world, rank, il)
             want.append(s)
         assert res.shape == (t,) and (t == 0 or res.data_ptr() == out.data_ptr())
         assert out.tolist() == want + [-1] * extra
@@ -130,25 +138,20 @@ def test_compressed_slot_mapping_vllm_example(device):
         assert [s for _, s in got] == [7 * 64 + 60 + i for i in range(4)] + [3 * 64 + i for i in range(6)]
 
 
-@pytest.mark.parametrize("world,rank,il,bs", [(2, 0, 1, 64), (2, 1, 2, 4), (4, 3, 2, 2), (3, 1, 4, 8)])
-def test_compressed_slot_mapping_cp_matches_vllm_formula(world, rank, il, bs, device):
-    """With block_size % interleave == 0 the rank-local index form equals vLLM's virtual-block form."""
-    r, sl_v, t = 4, 2000, 2000
+@pytest.mark.parametrize("world,rank,il,bs", [(2, 0, 1, 64), (2, 1, 2, 4), (4, 3, 2, 2), (3, 1, 4, 8),
+                                              (2, 1, 3, 2), (2, 0, 4, 2), (3, 2, 5, 64), (4, 1, 3, 4)])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compressed_slot_mapping_cp_matches_vllm_formula(world, rank, il, bs, impl, device):
+    """Equal to the engine's formula for every interleave size, dividing the block size or not."""
+    r, sl_v, t = 4, 1200, 1200
     qsl = torch.tensor([0, t], dtype=torch.int32, device=device)
     sl = torch.tensor([sl_v], dtype=torch.int32, device=device)
     bt = torch.randperm(400, generator=torch.Generator().manual_seed(1))[:300].to(torch.int32).view(1, 300)
     got = get_compressed_slot_mapping(t, qsl, sl, bt.to(device), bs, r, cp_world_size=world, cp_rank=rank,
-                                      cp_kv_cache_interleave_size=il, impl="reference").tolist()
+                                      cp_kv_cache_interleave_size=il, impl=impl).tolist()
     btl = bt.tolist()[0]
-    for p in range(sl_v):
-        want = -1
-        if (p + 1) % r == 0:
-            c = p // r
-            vbs = bs * world
-            blk, voff = c // vbs, c % vbs
-            if (voff // il) % world == rank:
-                want = btl[blk] * bs + (voff // (world * il)) * il + voff % il
-        assert got[p] == want, p
+    want = [engine_cp_slot(btl, p // r, bs, world, rank, il) if (p + 1) % r == 0 else -1 for p in range(sl_v)]
+    assert got == want
 
 
 # ---- build_c128a_topk_metadata ---------------------------------------------------------------
@@ -290,7 +293,6 @@ def _c128a_args():
         (lambda a: a.__setitem__(4, a[4].long()), TypeError, "block_table"),
         (lambda a: a.__setitem__(2, 3), ValueError, "num_decode_tokens"),
         (lambda a: a.__setitem__(10, 256), ValueError, "too small"),  # wider than the buffers
-        (lambda a: a.__setitem__(10, 1), ValueError, "max_compressed_tokens"),  # n = 2 > 1
         (lambda a: a.__setitem__(7, torch.zeros(0, 128, dtype=torch.int32)), ValueError, "global_decode_buffer"),
         (lambda a: a.__setitem__(9, torch.zeros(4, 128, dtype=torch.int64)), TypeError, "prefill_buffer"),
         (lambda a: a.__setitem__(1, 0), ValueError, "compress_ratio"),
@@ -347,3 +349,20 @@ def test_swa_and_topk_bad_inputs():
     with pytest.raises(ValueError, match="lens_out"):
         compute_global_topk_indices_and_lens(torch.zeros(3, 4, dtype=torch.int32), t2r, bt, 64, sm >= 0,
                                              lens_out=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_c128a_default_width_clamps_like_the_engine(impl, device):
+    """Engine default max_compressed_tokens = 8192: a token needing more entries is clamped to it."""
+    pos = torch.tensor([2_000_000, 300], dtype=torch.int64, device=device)  # n = 15625 (clamped), 2
+    t2r = torch.tensor([0, 0], dtype=torch.int32, device=device)
+    bt = torch.arange(4096, dtype=torch.int32, device=device).flip(0)[None].contiguous()
+    sm = torch.zeros(2, dtype=torch.int64, device=device)
+    g = torch.full((1, 8192), POISON, dtype=torch.int32, device=device)
+    dl = torch.full((1,), POISON, dtype=torch.int32, device=device)
+    pf = torch.full((1, 8192), POISON, dtype=torch.int32, device=device)
+    gd, lens, pref = build_c128a_topk_metadata(pos, 128, 1, t2r, bt, 2, sm, g, dl, pf, impl=impl)
+    assert lens.tolist() == [8192]
+    e = torch.arange(8192)
+    assert gd[0].cpu().tolist() == ((4095 - e // 2) * 2 + e % 2).tolist()
+    assert pref[0, :3].cpu().tolist() == [0, 1, -1] and bool((pref[0, 3:] == -1).all())

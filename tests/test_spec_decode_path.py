@@ -28,10 +28,10 @@ def _setup(form: str, device):
     R = len(QL)
     swa = torch.randperm(64, generator=g)[: R * 5].to(torch.int32).view(R, 5)  # 5 x 64 >= 300 positions
     mla = torch.randperm(16, generator=g)[: R * 2].to(torch.int32).view(R, 2)
-    tabs = {"swa": swa.to(device), "c128": mla.to(device)}
+    tabs = {"swa": swa.to(device), "full_mla": mla.to(device)}
     batch = BatchMetadata.from_requests(QL, SL, tabs, num_speculative_tokens=4)
     cfg = MetadataConfig(max_num_batched_tokens=64, max_num_reqs=8, max_model_len=512,
-                         num_blocks={"swa": 64, "c128": 16, "c4": 16}, window_size=W, compress_ratios=(128,),
+                         num_blocks={"swa": 64, "full_mla": 16}, window_size=W, compress_ratios=(128,),
                          form=form)
     step = StepMetadataBuilder(cfg, device).build(batch, impl="reference")
     swa_cache = torch.randn(64, 64, D, generator=g).to(device=device, dtype=torch.bfloat16)

@@ -12,65 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> fp32 holding the nearest bf16 (RNE; finite inputs)."""
-    b = x.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_bits(x):
-    """fp32 holding a bf16 value -> its 16 bits as int32 (0..65535)."""
-    return (x.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-
-
-@triton.jit
-def _e4m3_encode(y):
-    """fp32 in [-448, 448] -> e4m3fn byte (int32 0..255), round-to-nearest-even."""
-    b = y.to(tl.int32, bitcast=True)
-    sign = (b >> 24) & 0x80
-    a = b & 0x7FFFFFFF
-    # Normal range (|y| >= 2^-6): RNE on the top 3 mantissa bits, re-bias exponent 127 -> 7.
-    norm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
-    # Subnormal range: k = RNE(|y| * 2^9), k in 0..8 (8 encodes 2^-6, the smallest normal).
-    e = a >> 23
-    m = (a & 0x7FFFFF) | 0x800000
-    s = tl.minimum(141 - e, 30)
-    s = tl.maximum(s, 1)
-    q = m >> s
-    rem = m & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    k = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    return tl.where(a >= 0x3C800000, norm, k) | sign
-
-
-@triton.jit
-def _pow2_exponent_for(amax):
-    """ceil(log2(amax / 448)) for finite amax >= 1e-4, exactly, from the fp32 bits.
-
-    amax = m * 2^E with m in [1, 2): amax / 448 = (m / 1.75) * 2^(E-8), so the result is E-8,
-    plus 1 when m > 1.75 (mantissa bits > 0x600000).
-    """
-    bits = amax.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 - 8
-    return e + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as fp32 for integer e in [-126, 127]."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _page_offset(slot, block_size, stride_block):
-    """(offset of the slot's page from the cache base, entry index in the block), in int64:
-    ``(slot // block_size) * stride_block`` passes 2^31 for ~57K blocks of a 37,440 B page."""
-    slot = slot.to(tl.int64)
-    return (slot // block_size) * stride_block, slot % block_size
+from dsv4attn.kernels.common import bf16_bits, e4m3_encode, page_offset, pow2, pow2_exponent_for, round_to_bf16
 
 
 @triton.jit
@@ -86,7 +28,7 @@ def _insert_kv_fp8_kernel(
     if (slot < 0) | (slot >= num_slots):
         return
     DATA_BYTES: tl.constexpr = NOPE_DIM + 2 * ROPE_DIM
-    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    page_off, off = page_offset(slot, block_size, stride_cache_block)
     page = cache_ptr + page_off
     data = page + off * DATA_BYTES
     scales = page + block_size * DATA_BYTES + off * SCALE_BYTES
@@ -99,12 +41,12 @@ def _insert_kv_fp8_kernel(
     tmask = (r < NUM_TILES) & (c < TILE)
     x = tl.load(row + d, mask=tmask, other=0.0).to(tl.float32)
     if not INPUT_IS_BF16:
-        x = _round_to_bf16(x)
+        x = round_to_bf16(x)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)               # [NUM_TILES_P2]
-    e = _pow2_exponent_for(amax)
-    y = x * _pow2(-e)[:, None]
+    e = pow2_exponent_for(amax)
+    y = x * pow2(-e)[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(data + d, _e4m3_encode(y).to(tl.uint8), mask=tmask)
+    tl.store(data + d, e4m3_encode(y).to(tl.uint8), mask=tmask)
     tv = tl.arange(0, NUM_TILES_P2)
     sbyte = tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8)
     tl.store(scales + tv, sbyte, mask=tv < NUM_TILES)
@@ -118,9 +60,9 @@ def _insert_kv_fp8_kernel(
         rmask = rd < ROPE_DIM
         xr = tl.load(row + NOPE_DIM + rd, mask=rmask, other=0.0).to(tl.float32)
         if not INPUT_IS_BF16:
-            xr = _round_to_bf16(xr)
+            xr = round_to_bf16(xr)
         rope_ptr = (data + NOPE_DIM).to(tl.pointer_type(tl.int16))
-        tl.store(rope_ptr + rd, _bf16_bits(xr).to(tl.int16), mask=rmask)
+        tl.store(rope_ptr + rd, bf16_bits(xr).to(tl.int16), mask=rmask)
 
 
 @triton.jit
@@ -134,7 +76,7 @@ def _insert_rows_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    page_off, off = page_offset(slot, block_size, stride_cache_block)
     dst = cache_ptr + page_off + off * stride_cache_entry
     src = src_ptr + t.to(tl.int64) * stride_src_t
     for d0 in range(0, dim, BLOCK_D):
@@ -142,7 +84,7 @@ def _insert_rows_kernel(
         m = d < dim
         x = tl.load(src + d, mask=m, other=0.0)
         if ROUND_TO_BF16:
-            bits = _bf16_bits(_round_to_bf16(x.to(tl.float32))).to(tl.int16)
+            bits = bf16_bits(round_to_bf16(x.to(tl.float32))).to(tl.int16)
             tl.store(dst.to(tl.pointer_type(tl.int16)) + d, bits, mask=m)
         else:
             tl.store(dst + d, x.to(cache_ptr.dtype.element_ty), mask=m)
@@ -159,17 +101,17 @@ def _insert_indexer_k_fp8_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    page_off, off = _page_offset(slot, block_size, stride_cache_block)
+    page_off, off = page_offset(slot, block_size, stride_cache_block)
     page = cache_ptr + page_off
     d = tl.arange(0, BLOCK_D)
     m = d < DIM
     x = tl.load(k_ptr + t.to(tl.int64) * stride_k_t + d, mask=m, other=0.0).to(tl.float32)
     if not INPUT_IS_BF16:
-        x = _round_to_bf16(x)
+        x = round_to_bf16(x)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
-    e = _pow2_exponent_for(amax)
-    y = tl.minimum(tl.maximum(x * _pow2(-e), -448.0), 448.0)
-    tl.store(page + off * DIM + d, _e4m3_encode(y).to(tl.uint8), mask=m)
+    e = pow2_exponent_for(amax)
+    y = tl.minimum(tl.maximum(x * pow2(-e), -448.0), 448.0)
+    tl.store(page + off * DIM + d, e4m3_encode(y).to(tl.uint8), mask=m)
     i4 = tl.arange(0, 4)
     sbits = (e + 127) << 23                                          # fp32 bits of 2^e
     sbytes = ((sbits >> (8 * i4)) & 0xFF).to(tl.uint8)              # little endian
@@ -190,7 +132,7 @@ def _write_compressor_state_kernel(
         return
     p = tl.load(pos_ptr + t).to(tl.int64)
     rr = ((p % ratio) + ratio) % ratio
-    page_off, off = _page_offset(slot, block_size, stride_state_block)
+    page_off, off = page_offset(slot, block_size, stride_state_block)
     dst = state_ptr + page_off + off * stride_state_entry
     t64 = t.to(tl.int64)
     for w0 in range(0, width, BLOCK_W):

@@ -1,8 +1,9 @@
 """Triton kernels of the per-step metadata ops (only @triton.jit functions; no policy).
 
-Semantics are those of ``dsv4attn/reference/metadata.py``. Every block-table read is masked and
-its column clamped into the table, so out-of-range entries become -1 holes and no lane ever forms
-an out-of-bounds address (SM12x + Triton 3.6 raise IMA on masked out-of-range addresses).
+Semantics are those of ``dsv4attn/reference/metadata.py``. Every block-table read goes through
+:func:`dsv4attn.kernels.common.entry_slot` (masked, column clamped into the table, holes -1), so no
+lane ever forms an out-of-bounds address (SM12x + Triton 3.6 raise IMA on masked out-of-range
+addresses).
 Slots are formed in int64 and narrowed only where the output is int32.
 """
 
@@ -11,18 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _entry_slot(bt_ptr, req, e, valid, stride_bt_req, stride_bt_col, max_blocks, block_size):
-    """Global slot (int64) of entry ``e`` of request ``req`` through its block-table row, and
-    the validity: ``valid`` and the entry's block column inside the table. Invalid lanes read
-    column 0 (never out of the row) and get slot -1."""
-    col = e // block_size
-    valid = valid & (col < max_blocks)
-    col = tl.where(valid, col, 0)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col, mask=valid, other=0)
-    slot = blk.to(tl.int64) * block_size + (e % block_size).to(tl.int64)
-    return tl.where(valid, slot, -1), valid
+from dsv4attn.kernels.common import block_slot, entry_slot
 
 
 @triton.jit
@@ -65,11 +55,15 @@ def _compressed_slot_mapping_kernel(
     p = tl.load(seq_lens_ptr + req) - qlen + (t - start)
     pp = tl.maximum(p, 0)
     valid = active & (p >= 0) & ((pp + 1) % ratio == 0)
-    k = tl.maximum((pp + 1) // ratio - 1, 0)
-    chunk = k // cp_interleave
-    valid = valid & ((chunk % cp_world) == cp_rank)
-    local = (chunk // cp_world) * cp_interleave + k % cp_interleave
-    slot, valid = _entry_slot(bt_ptr, req, local, valid, stride_bt_req, stride_bt_col, max_blocks, block_size)
+    # The engine's formula (dsv4attn.reference.metadata documents it): entry c = p // r is dealt
+    # within each virtual block of block_size * cp_world entries.
+    c = pp // ratio
+    vbs = block_size * cp_world
+    voff = c % vbs
+    valid = valid & (((voff // cp_interleave) % cp_world) == cp_rank)
+    off = (voff // (cp_world * cp_interleave)) * cp_interleave + voff % cp_interleave
+    slot, valid = block_slot(bt_ptr, req, c // vbs, off, valid, stride_bt_req, stride_bt_col, max_blocks,
+                             block_size)
     tl.store(out_ptr + t, slot, mask=in_out)
 
 
@@ -112,7 +106,7 @@ def _c128a_topk_kernel(
         for j0 in range(0, end, BLOCK):
             j = j0 + offs
             m = j < end
-            slot, v = _entry_slot(bt_ptr, req, j, m & (j < n), stride_bt_req, stride_bt_col, max_blocks, block_size)
+            slot, v = entry_slot(bt_ptr, req, j, m & (j < n), stride_bt_req, stride_bt_col, max_blocks, block_size)
             tl.store(row + j, slot.to(tl.int32), mask=m)
     else:
         row = pref_ptr + (t - num_decode_tokens).to(tl.int64) * stride_pref
@@ -148,7 +142,7 @@ def _swa_indices_kernel(
     j = tl.arange(0, BLOCK_W)
     m = j < window
     e = start + j
-    slot, v = _entry_slot(bt_ptr, req, e, m & (j < length), stride_bt_req, stride_bt_col, max_blocks, block_size)
+    slot, v = entry_slot(bt_ptr, req, e, m & (j < length), stride_bt_req, stride_bt_col, max_blocks, block_size)
     tl.store(idx_ptr + t.to(tl.int64) * stride_idx + j, slot.to(tl.int32), mask=m)
 
 
@@ -167,18 +161,25 @@ def _global_topk_kernel(
     stride_out,
     lens_ptr,  # int32 [>= T]
     K,
+    limit_ptr,  # int32 [T]: entries >= limit[t] are holes (read only when HAS_LIMIT)
+    HAS_LIMIT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     req = tl.load(t2r_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     count = tl.zeros([BLOCK_K], dtype=tl.int32)
+    if HAS_LIMIT:
+        lim = tl.load(limit_ptr + t)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
         m = k < K
         i = tl.load(local_ptr + t.to(tl.int64) * stride_local + k, mask=m, other=-1)
-        count += (i >= 0).to(tl.int32)
-        slot, v = _entry_slot(bt_ptr, req, i, m & (i >= 0), stride_bt_req, stride_bt_col, max_blocks, block_size)
+        ok = i >= 0
+        if HAS_LIMIT:
+            ok = ok & (i < lim)
+        count += (m & ok).to(tl.int32)
+        slot, v = entry_slot(bt_ptr, req, i, m & ok, stride_bt_req, stride_bt_col, max_blocks, block_size)
         tl.store(out_ptr + t.to(tl.int64) * stride_out + k, slot.to(tl.int32), mask=m)
     ok = tl.load(valid_ptr + t).to(tl.int1)
     tl.store(lens_ptr + t, tl.where(ok, tl.sum(count, axis=0), 0))

@@ -23,24 +23,43 @@ Sizes are functions of :class:`CacheConfig`, so small test models get consistent
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from dsv4attn.kv_cache.layout import FP8DSMLALayout, round_up
+from dsv4attn._checks import INT32_MAX, check_int
+from dsv4attn.kv_cache.layout import (
+    BF16_BYTES,
+    FP32_BYTES,
+    INDEXER_SCALE_BYTES,
+    FP8DSMLALayout,
+    IndexerKLayout,
+    normalize_kv_cache_dtype,
+    compressor_coff,
+    compressor_overlap,
+    page_bytes,
+    state_page_bytes,
+    state_row_width,
+    state_window,
+)
 
 KVCacheDtype = Literal["fp8_ds_mla", "auto"]
 #: Compress ratios DeepSeek-V4 accepts per layer (0 in a HF config means 1 = SWA-only).
 SUPPORTED_RATIOS = (1, 4, 128)
-#: Bytes of one fp32 indexer-key scale.
-INDEXER_SCALE_BYTES = 4
-#: Bytes of a bf16 / fp32 element.
-BF16_BYTES, FP32_BYTES = 2, 4
+__all__ = [
+    "GROUPS", "GROUP_C128_STATE", "GROUP_C4_STATE", "GROUP_FULL_MLA", "GROUP_SWA", "INDEXER_SCALE_BYTES",
+    "CacheConfig", "CacheSpec", "GroupSpec", "cache_groups", "compressor_coff",
+    "compressor_overlap", "indexer_entry_bytes", "layer_cache_specs", "state_row_width", "state_window",
+    "v4_flash_config", "V4_FLASH_COMPRESS_RATIOS",
+]
 
+#: The cache groups, one name each, used by the specs, the allocator, the metadata and the
+#: runner alike (vLLM's KV-cache groups of DeepSeek-V4, dsv4-system.md 3.3).
 GROUP_FULL_MLA = "full_mla"
 GROUP_SWA = "swa"
 GROUP_C4_STATE = "c4_state"
 GROUP_C128_STATE = "c128_state"
+GROUPS = (GROUP_FULL_MLA, GROUP_SWA, GROUP_C4_STATE, GROUP_C128_STATE)
 
 
 @dataclass(frozen=True)
@@ -63,20 +82,26 @@ class CacheConfig:
     swa_block_size: int = 64
     c4_state_block_size: int = 4
     c128_state_block_size: int = 8
-    kv_cache_dtype: KVCacheDtype = "fp8_ds_mla"
+    kv_cache_dtype: str = "fp8_ds_mla"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        if isinstance(self.compress_ratios, (str, bytes)) or not hasattr(self.compress_ratios, "__iter__"):
+            raise TypeError(f"compress_ratios must be a sequence of ints, got {type(self.compress_ratios).__name__}")
+        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        for i, r in enumerate(self.compress_ratios):
+            check_int(f"compress_ratios[{i}]", r)
+        for name in ("head_dim", "rope_dim", "index_head_dim", "sliding_window", "block_size", "swa_block_size",
+                     "c4_state_block_size", "c128_state_block_size"):
+            check_int(name, getattr(self, name), 0 if name == "rope_dim" else 1, INT32_MAX)
         bad = [r for r in self.compress_ratios if r not in (0, *SUPPORTED_RATIOS)]
         if bad:
             raise ValueError(f"compress_ratios entries must be 0, 1, 4 or 128, got {bad}")
-        if self.kv_cache_dtype not in ("fp8_ds_mla", "auto"):
-            raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {self.kv_cache_dtype!r}")
-        FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)  # validates the dims
-        for name in ("index_head_dim", "sliding_window", "block_size", "swa_block_size",
-                     "c4_state_block_size", "c128_state_block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        object.__setattr__(self, "kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            # fp8 pages quantise NoPE in 64-wide tiles: the limit of the page format, named here.
+            FP8DSMLALayout(self.head_dim - self.rope_dim, self.rope_dim)
+        elif not 0 <= self.rope_dim < self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be even and in [0, head_dim={self.head_dim}), got {self.rope_dim}")
         for r in (4, 128):
             if r in self.compress_ratios and self.block_size % r:
                 raise ValueError(f"block_size {self.block_size} must be a multiple of compress ratio {r}")
@@ -88,7 +113,7 @@ class CacheConfig:
         Reads ``compress_ratios`` (or ``layer_types`` mapped through ``compress_rates``),
         ``head_dim``, ``qk_rope_head_dim``, ``index_head_dim``, ``sliding_window``.
         """
-        get = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
+        get: Any = hf_config.get if isinstance(hf_config, dict) else (lambda k, d=None: getattr(hf_config, k, d))
         ratios = get("compress_ratios")
         if ratios is None:
             rates = {"sliding_attention": 1, "compressed_sparse_attention": 4,
@@ -113,8 +138,8 @@ class CacheConfig:
 
     @property
     def page_align(self) -> int:
-        """Alignment of fp8 pages: one token-data row (576 B in production)."""
-        return self.layout.page_align
+        """Alignment of fp8 pages: one token-data row, ``nope + 2 * rope`` bytes (576 in production)."""
+        return self.head_dim + self.rope_dim
 
     def ratio(self, layer: int) -> int:
         """Effective compress ratio of ``layer`` (0 in the HF config means 1)."""
@@ -183,30 +208,10 @@ class GroupSpec:
         return sum(c.page_bytes for c in self.caches)
 
 
-def compressor_overlap(ratio: int) -> bool:
-    """Ratio-4 compressors pool overlapping windows of 2r positions; ratio 128 does not."""
-    return ratio == 4
-
-
-def compressor_coff(ratio: int) -> int:
-    """Width multiplier of compressor state rows: 2 with overlap (r=4), 1 without (r=128)."""
-    return 2 if compressor_overlap(ratio) else 1
-
-
-def state_window(ratio: int) -> int:
-    """Raw positions a compressor state cache must keep: 2r with overlap, r without."""
-    return compressor_coff(ratio) * ratio
-
-
-def state_row_width(ratio: int, dim: int) -> int:
-    """fp32 elements of one compressor state row: ``[kv (coff*D) | score (coff*D)]``."""
-    return 2 * compressor_coff(ratio) * dim
-
-
-def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: KVCacheDtype) -> int:
+def indexer_entry_bytes(index_head_dim: int, kv_cache_dtype: str) -> int:
     """fp8: ``index_head_dim`` fp8 bytes + one fp32 scale (132 B); auto: bf16 row (256 B)."""
     if kv_cache_dtype == "fp8_ds_mla":
-        return index_head_dim + INDEXER_SCALE_BYTES
+        return IndexerKLayout(index_head_dim).entry_bytes
     return index_head_dim * BF16_BYTES
 
 
@@ -217,7 +222,7 @@ def _kv_spec(cfg: CacheConfig, name: str, layer: int, group: str, ratio: int, tp
         return CacheSpec(name, layer, group, "fp8_ds_mla", ratio, tpb, bs, lay.entry_bytes,
                          lay.page_bytes(bs), (lay.entry_bytes,), "uint8")
     row = cfg.head_dim * BF16_BYTES
-    return CacheSpec(name, layer, group, "bf16", ratio, tpb, bs, row, bs * row, (cfg.head_dim,), "bfloat16")
+    return CacheSpec(name, layer, group, "bf16", ratio, tpb, bs, row, page_bytes(bs, row), (cfg.head_dim,), "bfloat16")
 
 
 def _indexer_spec(cfg: CacheConfig, layer: int) -> CacheSpec:
@@ -226,8 +231,8 @@ def _indexer_spec(cfg: CacheConfig, layer: int) -> CacheSpec:
     eb = indexer_entry_bytes(cfg.index_head_dim, cfg.kv_cache_dtype)
     if cfg.kv_cache_dtype == "fp8_ds_mla":
         return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "indexer_fp8", ratio, tpb, bs, eb,
-                         round_up(bs * eb, cfg.page_align), (eb,), "uint8")
-    return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "bf16", ratio, tpb, bs, eb, bs * eb,
+                         IndexerKLayout(cfg.index_head_dim, cfg.page_align).page_bytes(bs), (eb,), "uint8")
+    return CacheSpec("indexer_k", layer, GROUP_FULL_MLA, "bf16", ratio, tpb, bs, eb, page_bytes(bs, eb),
                      (cfg.index_head_dim,), "bfloat16")
 
 
@@ -235,9 +240,8 @@ def _state_spec(cfg: CacheConfig, name: str, layer: int, ratio: int, dim: int) -
     group, bs = ((GROUP_C4_STATE, cfg.c4_state_block_size) if ratio == 4
                  else (GROUP_C128_STATE, cfg.c128_state_block_size))
     width = state_row_width(ratio, dim)
-    eb = width * FP32_BYTES
-    page = round_up(bs * eb, cfg.page_align)
-    return CacheSpec(name, layer, group, "state_fp32", ratio, bs, bs, eb, page, (width,), "float32")
+    page = state_page_bytes(bs, ratio, dim, cfg.page_align)
+    return CacheSpec(name, layer, group, "state_fp32", ratio, bs, bs, width * FP32_BYTES, page, (width,), "float32")
 
 
 def layer_cache_specs(cfg: CacheConfig, layer: int) -> list[CacheSpec]:
@@ -266,7 +270,7 @@ def cache_groups(cfg: CacheConfig) -> list[GroupSpec]:
     for layer in range(cfg.num_layers):
         for spec in layer_cache_specs(cfg, layer):
             by_group.setdefault(spec.group, []).append(spec)
-    defs = [
+    defs: list[tuple[str, Literal["full", "sliding"], int, int | None]] = [
         (GROUP_FULL_MLA, "full", cfg.block_size, None),
         (GROUP_SWA, "sliding", cfg.swa_block_size, cfg.sliding_window),
         (GROUP_C4_STATE, "sliding", cfg.c4_state_block_size, state_window(4)),
@@ -275,13 +279,13 @@ def cache_groups(cfg: CacheConfig) -> list[GroupSpec]:
     return [GroupSpec(n, k, tpb, w, tuple(by_group[n])) for n, k, tpb, w in defs if n in by_group]
 
 
-def v4_flash_config(kv_cache_dtype: KVCacheDtype = "fp8_ds_mla") -> CacheConfig:
-    """DeepSeek-V4-Flash cache config: 43 layers, layers 0-1 SWA-only, then C4A on even and
-    C128A on odd layer indices (21 C4A + 20 C128A).
+#: DeepSeek-V4-Flash ``compress_ratios`` as published in its config.json: 43 layers (0, 0, then
+#: 4 on even and 128 on odd indices: 21 C4A + 20 C128A) plus the MTP layer's entry (0, SWA-only).
+V4_FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
 
-    The pattern is **partially confirmed**: taken from a third-party summary of the official
-    model card (antirez/ds4 MODEL_CARD.md), consistent with the "21 C4A layers" count in
-    docs/performance.md; not read from the released config.json.
-    """
-    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
-    return CacheConfig(compress_ratios=ratios, kv_cache_dtype=kv_cache_dtype)
+
+def v4_flash_config(kv_cache_dtype: str = "fp8_ds_mla", include_mtp: bool = False) -> CacheConfig:
+    """DeepSeek-V4-Flash cache config: the published layer schedule (:data:`V4_FLASH_COMPRESS_RATIOS`),
+    the 43 main layers, or 44 with ``include_mtp`` (the MTP layer's SWA-only attention)."""
+    ratios = V4_FLASH_COMPRESS_RATIOS if include_mtp else V4_FLASH_COMPRESS_RATIOS[:43]
+    return CacheConfig(compress_ratios=ratios, kv_cache_dtype=normalize_kv_cache_dtype(kv_cache_dtype))

@@ -1,4 +1,5 @@
-"""The DeepSeek-V4 attention layer (all three kinds), its compressor and indexer.
+"""The DeepSeek-V4 attention layer (all three kinds) and its pieces: compressor, indexer, RoPE,
+norms.
 
 - :class:`DeepseekV4Attention`: checkpoint-compatible module; ``forward`` is the cache-free
   whole-sequence spec.

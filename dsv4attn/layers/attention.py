@@ -84,7 +84,14 @@ class DeepseekV4Attention(nn.Module):
 
     @property
     def indexer(self) -> Indexer | None:
-        return self.compressor.indexer if self.kind == "csa" else None
+        comp = self.compressor
+        return comp.indexer if isinstance(comp, CSACompressor) else None
+
+    def _csa_indexer(self) -> Indexer:
+        idx = self.indexer
+        if idx is None:
+            raise ValueError(f"layer {self.layer_idx} is a {self.kind!r} layer: only CSA layers have an indexer")
+        return idx
 
     # ---- pieces shared by the dense path and the paged runner ------------------------------
     def project_q(
@@ -137,7 +144,7 @@ class DeepseekV4Attention(nn.Module):
             eligible = (pos + 1) // self.ratio  # [T]
             if self.kind == "csa":
                 scores = self._indexer_scores_dense(hidden, qr, cos, sin)
-                sel = select_topk(scores, eligible, self.indexer.topk).long()  # [T, K]
+                sel = select_topk(scores, eligible, self._csa_indexer().topk).long()  # [T, K]
             else:
                 sel = torch.arange(n, device=dev)[None, :].expand(T, -1)
                 sel = torch.where(sel < eligible[:, None], sel, torch.full_like(sel, -1))
@@ -150,7 +157,7 @@ class DeepseekV4Attention(nn.Module):
         self, hidden: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """Indexer scores of one whole sequence: fp32 ``[T, T // r]`` (no causal mask applied)."""
-        idx = self.indexer
+        idx = self._csa_indexer()
         pos = torch.arange(hidden.shape[0], device=hidden.device)
         keys = idx.compress_dense(idx.state_rows(hidden, pos), self.rotary, hidden.dtype)
         q, w = idx.queries(qr, hidden, cos, sin)
@@ -168,4 +175,4 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = self.rotary(pos)
         _, qr = self.project_q(hidden, cos, sin)
         scores = self._indexer_scores_dense(hidden, qr, cos, sin)
-        return topk_boundary_ties(scores, (pos + 1) // self.ratio, self.indexer.topk)
+        return topk_boundary_ties(scores, (pos + 1) // self.ratio, self._csa_indexer().topk)

@@ -12,6 +12,9 @@ it pools the ``L = coff * r`` rows at positions ``k*r - (coff-1)*r .. k*r + r - 
 - per channel ``d``: ``c[d] = sum_rows softmax_rows(score[:, d]) * kv[:, d]``;
 - then RMSNorm (``kv_norm`` weight) and RoPE at position ``k*r`` on the last ``rope_dim`` dims.
 
+The pooling math lives in :mod:`dsv4attn.reference.compressor` (whole-sequence path) and in the
+op :func:`dsv4attn.ops.compressor.compressor_pool` (paged state cache, :meth:`Compressor.pool_paged`).
+
 Parameter names match the checkpoint: ``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm``.
 """
 
@@ -22,6 +25,8 @@ from torch import nn
 
 from dsv4attn.layers.norm import RMSNorm
 from dsv4attn.layers.rope import apply_rope
+from dsv4attn.ops.compressor import compressor_pool
+from dsv4attn.reference.compressor import pool_window_rows, window_positions
 
 
 class Compressor(nn.Module):
@@ -64,25 +69,26 @@ class Compressor(nn.Module):
 
     def window_positions(self, entry_index: torch.Tensor) -> torch.Tensor:
         """entry indices ``[N]`` -> raw positions of its window rows ``[N, L]`` (may be < 0)."""
-        offs = torch.arange(self.window_rows, device=entry_index.device) - (self.coff - 1) * self.ratio
-        return entry_index.long()[:, None] * self.ratio + offs
+        return window_positions(entry_index, self.ratio, self.overlap)
 
     def pool(self, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """rows fp32 ``[N, L, 2*coff*D]`` (window order), valid ``[N, L]`` -> pooled fp32 ``[N, D]``.
 
         Invalid rows get weight 0; every window has at least its last ``r`` rows valid.
         """
-        D, r = self.dim, self.ratio
-        half = self.coff * D  # kv columns, then score columns
-        if self.overlap:
-            kv = torch.cat([rows[:, :r, 0:D], rows[:, r:, D:2 * D]], dim=1)
-            score = torch.cat([rows[:, :r, half:half + D], rows[:, r:, half + D:half + 2 * D]], dim=1)
-        else:
-            kv, score = rows[:, :, :D], rows[:, :, half:half + D]
-        score = score.masked_fill(~valid[:, :, None], float("-inf"))
-        kv = kv.masked_fill(~valid[:, :, None], 0.0)
-        weights = torch.softmax(score, dim=1)
-        return (kv * weights).sum(dim=1)
+        return pool_window_rows(rows, valid, self.ratio, self.overlap)
+
+    def pool_paged(
+        self, state_cache: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
+        positions: torch.Tensor, impl: str = "auto",
+    ) -> torch.Tensor:
+        """Pool entries from the paged state cache: row n pools entry ``positions[n] // r`` of request
+        ``token_to_req[n]`` (``positions[n] < 0`` -> zero row) -> fp32 ``[N, D]``.
+
+        The caller's metadata bounds every index, so the op's value checks (a host sync) are skipped.
+        """
+        return compressor_pool(state_cache, block_table, token_to_req.to(torch.int32), positions, self.ratio,
+                               self.overlap, validate_indices=False, impl=impl)
 
     def finish(
         self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype

@@ -6,7 +6,9 @@ Score of compressed entry ``k`` for query token ``t`` (``H_I`` heads, head dim `
 compressor's entries. Only entries ``k < (p + 1) // r`` are eligible (causal limit).
 Top-k keeps the ``min(index_topk, eligible)`` highest scores; equal scores are broken towards
 the LOWER entry index (deterministic, unlike the reference's ``torch.topk``); unused columns
-are -1.
+are -1. The whole-sequence path scores with :meth:`Indexer.scores` + :func:`select_topk`; the
+paged path (:meth:`Indexer.topk_paged`) runs the op :func:`dsv4attn.ops.indexer.indexer_topk`
+over the indexer-K cache.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from torch import nn
 
 from dsv4attn.layers.compressor import Compressor
 from dsv4attn.layers.rope import apply_rope
+from dsv4attn.ops.indexer import indexer_topk
+from dsv4attn.reference.indexer import select_topk, topk_boundary_ties
+
+__all__ = ["Indexer", "IndexerScorer", "select_topk", "topk_boundary_ties"]
 
 
 class IndexerScorer(nn.Module):
@@ -56,32 +62,21 @@ class Indexer(Compressor):
         logits = torch.relu(logits) * self.dim ** -0.5
         return (logits * weights[:, :, None]).sum(dim=1)
 
+    def topk_paged(
+        self, q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+        token_to_req: torch.Tensor, num_eligible: torch.Tensor, impl: str = "auto",
+    ) -> torch.Tensor:
+        """Top-k over the paged indexer-K cache: q ``[T, H_I, D_I]``, weights ``[T, H_I]`` (from
+        :meth:`queries`), k_cache (fp8 pages or rows), block_table int32 ``[R, max_blocks]``,
+        token_to_req / num_eligible int ``[T]`` -> request-local int32 ``[T, topk]`` (-1 padded).
 
-def select_topk(scores: torch.Tensor, num_eligible: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores fp32 ``[T, N]``, num_eligible int ``[T]`` -> int32 ``[T, min(topk, N)]`` entry indices.
-
-    Row t keeps the ``min(topk, num_eligible[t])`` best of entries ``0 .. num_eligible[t]-1``,
-    best first, ties -> lower index first; remaining columns are -1. ``N`` may be 0.
-    """
-    T, N = scores.shape
-    width = min(topk, N)
-    if width == 0:
-        return torch.full((T, 0), -1, dtype=torch.int32, device=scores.device)
-    eligible = torch.arange(N, device=scores.device)[None, :] < num_eligible[:, None]
-    masked = scores.masked_fill(~eligible, float("-inf"))
-    # stable descending sort keeps equal scores in ascending index order
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :width]
-    keep = torch.arange(width, device=scores.device)[None, :] < num_eligible[:, None]
-    return torch.where(keep, order, torch.full_like(order, -1)).to(torch.int32)
-
-
-def topk_boundary_ties(scores: torch.Tensor, num_eligible: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool ``[T]``: True where the top-k selection of a row is ambiguous, i.e. more than ``topk``
-    entries are eligible and the ``topk``-th and ``topk+1``-th best eligible scores are equal
-    (typically exact ReLU zeros). Any tie-break is then valid; the reference's is arbitrary."""
-    T, N = scores.shape
-    if topk >= N:
-        return torch.zeros(T, dtype=torch.bool, device=scores.device)
-    eligible = torch.arange(N, device=scores.device)[None, :] < num_eligible[:, None]
-    best = scores.masked_fill(~eligible, float("-inf")).sort(dim=-1, descending=True).values
-    return (num_eligible > topk) & (best[:, topk - 1] == best[:, topk])
+        ``D_I^-0.5`` is folded into the weights; q goes back to the model dtype (exact: it was
+        computed there), so a bf16 model scores on the bf16 tensor cores. The caller's metadata
+        already bounds every index, so the op's value checks (a host sync) are skipped.
+        """
+        w = (weights * self.dim ** -0.5).contiguous()
+        model_dtype = self.q_b_proj.weight.dtype
+        q = q.to(model_dtype) if model_dtype in (torch.bfloat16, torch.float32) else q
+        idx, _ = indexer_topk(q.contiguous(), w, k_cache, block_table, token_to_req.to(torch.int32),
+                              num_eligible.to(torch.int32), self.topk, validate_indices=False, impl=impl)
+        return idx

@@ -22,13 +22,14 @@ class RotaryTable(nn.Module):
 
     def __init__(self, rope: RopeConfig, rope_dim: int) -> None:
         super().__init__()
-        self.rope = rope
+        self.rope: RopeConfig = rope
         self.rope_dim = rope_dim
         self.register_buffer("inv_freq", rope.inv_freq(rope_dim), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[N]`` (any int dtype) -> ``(cos, sin)`` fp32 ``[N, rope_dim // 2]``."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]  # a registered buffer
+        freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)
         scale = self.rope.attention_factor
         return freqs.cos() * scale, freqs.sin() * scale
 

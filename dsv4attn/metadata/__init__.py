@@ -18,11 +18,10 @@ from one paged cache in one of two forms:
 from dsv4attn.metadata.batch import (
     GROUP_C4,
     GROUP_C128,
-    GROUP_SWA,
-    GROUPS,
     BatchMetadata,
     split_decodes_and_prefills,
 )
+from dsv4attn.kv_cache.specs import GROUP_FULL_MLA, GROUP_SWA, GROUPS
 from dsv4attn.metadata.builders import (
     FORMS,
     CompressedMetadata,
@@ -36,6 +35,7 @@ from dsv4attn.metadata.builders import (
 __all__ = [
     "GROUP_C4",
     "GROUP_C128",
+    "GROUP_FULL_MLA",
     "GROUP_SWA",
     "GROUPS",
     "FORMS",

@@ -8,8 +8,10 @@ sits at position ``p = seq_len[q] - query_len[q] + (t - query_start_loc[q])``.
 Padding follows the engine convention: a padded token (e.g. a CUDA-graph pad request) is an
 ordinary token whose raw ``slot_mapping`` is -1; builders give it zero-length candidate sets.
 
-Per-group block tables are keyed by group name (``GROUP_SWA``, ``GROUP_C4``, ``GROUP_C128``); the
-two compressed groups may share one tensor (vLLM's "full-MLA" group does).
+Per-group block tables are keyed by the cache-group names of :mod:`dsv4attn.kv_cache.specs`:
+``"swa"`` (SWA KV) and ``"full_mla"`` (the compressed KV of C4A and C128A layers and the C4A
+indexer keys share it, as in vLLM); the state groups ``"c4_state"`` / ``"c128_state"`` may be
+given too.
 """
 
 from __future__ import annotations
@@ -21,13 +23,11 @@ from types import MappingProxyType
 
 import torch
 
-from dsv4attn._checks import check_tensor
+from dsv4attn._checks import INT32_MAX, as_device, check_int, check_tensor
+from dsv4attn.kv_cache.specs import GROUP_FULL_MLA, GROUP_SWA, GROUPS
 
-#: Group names of the per-group block tables.
-GROUP_SWA = "swa"
-GROUP_C4 = "c4"
-GROUP_C128 = "c128"
-GROUPS = (GROUP_SWA, GROUP_C4, GROUP_C128)
+#: Deprecated aliases (the compressed block tables of both ratios are the full-MLA group's).
+GROUP_C4 = GROUP_C128 = GROUP_FULL_MLA
 
 
 def _host_ints(name: str, v: object, dtype: torch.dtype = torch.int32) -> list[int]:
@@ -201,15 +201,23 @@ class BatchMetadata:
                 raise ValueError(f"query_start_loc must be non-decreasing: [{i}]={qsl[i]} > [{i + 1}]={qsl[i + 1]}")
             if sl[i] < q:
                 raise ValueError(f"seq_lens[{i}]={sl[i]} is smaller than its query_len {q}")
+            if sl[i] > INT32_MAX - 1:
+                raise ValueError(f"seq_lens[{i}]={sl[i]} passes the int32 limit")
+        if qsl[-1] > INT32_MAX:
+            raise ValueError(f"the step has {qsl[-1]} tokens, past the int32 limit")
+        check_int("swa_block_size", swa_block_size, 1, INT32_MAX)
         if isinstance(num_spec, bool) or not isinstance(num_spec, int) or num_spec < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_spec!r}")
-        if not isinstance(block_tables, Mapping) or GROUP_SWA not in block_tables:
+        if not isinstance(block_tables, Mapping):
+            raise TypeError(f"block_tables must be a mapping group name -> tensor, got {type(block_tables).__name__}")
+        if GROUP_SWA not in block_tables:
             raise ValueError(f"block_tables must be a mapping with at least the key {GROUP_SWA!r}")
         unknown = set(block_tables) - set(GROUPS)
         if unknown:
             raise ValueError(f"block_tables has unknown groups {sorted(unknown)}; known: {GROUPS}")
         # canonical device (cuda -> cuda:N) so comparisons with tensors' devices hold
-        dev = torch.empty(0, device=device).device if device is not None else block_tables[GROUP_SWA].device
+        swa_table = check_tensor(f"block_tables[{GROUP_SWA!r}]", block_tables[GROUP_SWA])
+        dev = as_device("device", device) if device is not None else swa_table.device
         for name, bt in block_tables.items():
             check_tensor(f"block_tables[{name!r}]", bt, dtype=torch.int32, ndim=2, device=dev)
             if bt.shape[0] < num_reqs:
@@ -239,6 +247,7 @@ class BatchMetadata:
             slot_mapping = slot_cpu.to(dev)
         else:
             check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, shape=(num_tokens,), device=dev)
+            slot_mapping = slot_mapping.contiguous()
         nd, npf, ndt, npt = split_decodes_and_prefills(ql, 1 + num_spec, require_uniform)
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),

@@ -21,23 +21,23 @@ starts[t] + lengths[t] - 1`` of its request's stream through the group's block t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
-from dsv4attn.metadata.batch import GROUP_C4, GROUP_C128, GROUP_SWA, BatchMetadata
+from dsv4attn.kv_cache.specs import GROUP_FULL_MLA, GROUP_SWA
+from dsv4attn.metadata.batch import BatchMetadata
 from dsv4attn.ops import metadata as ops
-from dsv4attn.reference.metadata import C128A_TOPK_ALIGNMENT
+from dsv4attn._checks import INT32_MAX, check_values
+from dsv4attn.kv_cache import slots
+from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT
 
 FORMS = ("full", "real", "range")
 #: Tokens per logical block of the compressed (full-MLA) group: the backend's kernel block size.
 MLA_BLOCK_SIZE = 256
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,25 @@ class MetadataConfig:
             if self.mla_block_size % r:
                 raise ValueError(f"mla_block_size {self.mla_block_size} must be a multiple of ratio {r}")
         nb = self.num_blocks
-        nb = {g: nb for g in (GROUP_SWA, GROUP_C4, GROUP_C128)} if isinstance(nb, int) else dict(nb)
+        if isinstance(nb, bool) or not isinstance(nb, (int, Mapping)):
+            raise TypeError(f"MetadataConfig.num_blocks must be an int or a mapping group -> int, got {nb!r}")
+        nb = {g: nb for g in (GROUP_SWA, GROUP_FULL_MLA)} if isinstance(nb, int) else dict(nb)
+        needed = (GROUP_SWA, GROUP_FULL_MLA) if ratios else (GROUP_SWA,)
+        missing = [g for g in needed if g not in nb]
+        if missing:
+            raise ValueError(f"MetadataConfig.num_blocks lacks cache group(s) {missing} (needed: {list(needed)})")
         for g, v in nb.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MetadataConfig.num_blocks[{g!r}] must be an int >= 1, got {v!r}")
         object.__setattr__(self, "compress_ratios", ratios)
         object.__setattr__(self, "num_blocks", MappingProxyType(nb))
+        if self.max_model_len > INT32_MAX - 1 or self.max_num_batched_tokens > INT32_MAX:
+            raise ValueError(f"MetadataConfig.max_model_len ({self.max_model_len}) and max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must stay below the int32 limit")
+        for g, bs in ((GROUP_SWA, self.swa_block_size), (GROUP_FULL_MLA, self.mla_block_size // min(ratios or (1,)))):
+            if g in nb and nb[g] * bs - 1 > INT32_MAX:
+                raise ValueError(f"MetadataConfig.num_blocks[{g!r}] = {nb[g]} blocks of {bs} entries give slots past the "
+                                 "int32 limit of the metadata outputs")
 
     def entries_per_block(self, ratio: int) -> int:
         """Compressed entries physically stored per block for ratio r (64 for 4, 2 for 128)."""
@@ -91,7 +104,7 @@ class MetadataConfig:
     @property
     def c128a_max_compressed(self) -> int:
         """Row width of the C128A top-k buffers: ``round_up(cdiv(max_model_len, 128), 128)``."""
-        return _round_up(-(-self.max_model_len // 128), C128A_TOPK_ALIGNMENT)
+        return slots.c128a_max_compressed(self.max_model_len, 128)
 
 
 @dataclass(frozen=True)
@@ -111,8 +124,10 @@ class SWAMetadata:
 @dataclass(frozen=True)
 class CompressedMetadata:
     """A compressed group (ratio 4 or 128). slot_mapping int64 [T] (compressed slot per raw
-    token, -1 if none). C128A only: global_decode int32 [nd, Wc], decode_lens int32 [nd],
-    prefill_local int32 [T-nd, Wc] (forms full, real); starts (zeros) / lengths int32 [T] (range).
+    token, -1 if none). C4A: lengths int32 [T] = the entries each token may select,
+    ``(p + 1) // 4`` (0 for padded tokens). C128A: global_decode int32 [nd, Wc], decode_lens
+    int32 [nd], prefill_local int32 [T-nd, Wc] (forms full, real); starts (zeros) / lengths
+    int32 [T] (range).
 
     In form "real" a row is valid only up to its own length (decode: ``decode_lens``; prefill:
     ``(p + 1) // 128``, -1 padded to a multiple of 128); columns past ``round_up(n, 128)`` hold
@@ -171,6 +186,8 @@ def metadata_bytes_written(batch: BatchMetadata, config: MetadataConfig, form: s
         out["swa.decode_lens"] = 4 * (max_t if form == "full" else nd)  # engine zeroes the tail
     for r in config.compress_ratios:
         out[f"c{r}.slot_mapping"] = 8 * (max_t if form == "full" else t)
+    if 4 in config.compress_ratios:
+        out["c4.entry_limit"] = 4 * t
     if 128 in config.compress_ratios:
         wc = config.c128a_max_compressed
         if form == "range":
@@ -207,6 +224,7 @@ class StepMetadataBuilder:
         if 4 in c.compress_ratios:
             self.c4_global_topk = torch.full((mt, c.index_topk), -1, dtype=i32, device=dev)
             self.c4_topk_lens = torch.zeros(mt, dtype=i32, device=dev)
+            self.c4_entry_limit = torch.zeros(mt, dtype=i32, device=dev)
         if 128 in c.compress_ratios:
             wc = c.c128a_max_compressed
             self.c128_global_decode = torch.full((mt, wc), -1, dtype=i32, device=dev)
@@ -242,7 +260,11 @@ class StepMetadataBuilder:
         for r in c.compress_ratios:
             n = sl_max // r
             need = (n - 1) // c.entries_per_block(r) + 1 if n else 0
-            self._check_columns(batch, GROUP_C4 if r == 4 else GROUP_C128, need, sl_max)
+            self._check_columns(batch, GROUP_FULL_MLA, need, sl_max)
+        if c.validate_block_ids and batch.num_tokens:
+            # The raw SWA slots are written by the SWA cache writer without a per-layer check.
+            cap = cast(Mapping[str, int], c.num_blocks)[GROUP_SWA] * c.swa_block_size
+            check_values("batch.slot_mapping", batch.slot_mapping, -1, cap - 1)
         if c.validate_block_ids and batch.num_reqs:
             sl = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
             ql = torch.tensor(batch.query_lens_cpu, dtype=torch.int64)
@@ -252,9 +274,10 @@ class StepMetadataBuilder:
             hi = torch.where(has_tokens, (sl - 1) // c.swa_block_size + 1, lo)
             self._check_ids(batch, GROUP_SWA, lo, hi)
             for r in c.compress_ratios:
-                n = sl // r
-                hi = torch.where(has_tokens & (n > 0), (n - 1) // c.entries_per_block(r) + 1, torch.zeros_like(n))
-                self._check_ids(batch, GROUP_C4 if r == 4 else GROUP_C128, torch.zeros_like(hi), hi)
+                n_ent = sl // r
+                hi = torch.where(has_tokens & (n_ent > 0), (n_ent - 1) // c.entries_per_block(r) + 1,
+                                 torch.zeros_like(n_ent))
+                self._check_ids(batch, GROUP_FULL_MLA, torch.zeros_like(hi), hi)
 
     @staticmethod
     def _check_columns(batch: BatchMetadata, group: str, need: int, seq_len: int) -> None:
@@ -270,7 +293,7 @@ class StepMetadataBuilder:
         need = int(hi.max())
         if need == 0:
             return
-        nb = self.config.num_blocks.get(group)
+        nb = cast(Mapping[str, int], self.config.num_blocks)[group]
         cols = torch.arange(need, device=bt.device)[None, :]
         used = (cols >= lo.to(bt.device)[:, None]) & (cols < hi.to(bt.device)[:, None])
         tab = bt[: batch.num_reqs, :need]
@@ -292,31 +315,36 @@ class StepMetadataBuilder:
         pos, sm = batch.positions, batch.slot_mapping
         swa_bt = batch.block_tables[GROUP_SWA]
         if form == "range":
-            st, ln = ops.compute_swa_ranges(pos, sm, c.window_size, self.swa_starts, self.swa_lengths, impl=impl)
+            st, ln = ops.compute_swa_ranges(pos, sm, c.window_size, self.swa_starts, self.swa_lengths, validate=False,
+                                            impl=impl)
             swa = SWAMetadata(swa_bt, c.swa_block_size, c.window_size, None, None, st, ln)
         else:
             if form == "full":
                 self.swa_decode_lens[nd:].zero_()
             idx, lens = ops.compute_swa_indices_and_lens(
                 pos[:nd], t2r[:nd], swa_bt, c.swa_block_size, sm[:nd], c.window_size,
-                self.swa_decode_indices, self.swa_decode_lens, impl=impl,
+                self.swa_decode_indices, self.swa_decode_lens, validate=False, impl=impl,
             )
             swa = SWAMetadata(swa_bt, c.swa_block_size, c.window_size, idx, lens, None, None)
         comp: dict[int, CompressedMetadata] = {}
         for r in c.compress_ratios:
-            bt = batch.block_tables[GROUP_C4 if r == 4 else GROUP_C128]
+            bt = batch.block_tables[GROUP_FULL_MLA]
             bs = c.entries_per_block(r)
             buf = self.slot_mapping[r] if form == "full" else self.slot_mapping[r][:t]
             csm = ops.get_compressed_slot_mapping(t, batch.query_start_loc, batch.seq_lens, bt, bs, r, out=buf,
-                                                  impl=impl)
+                                                  validate=False, impl=impl)
             extra = {}
-            if r == 128 and form == "range":
+            if r == 4:  # the entries each token may select from: top-k indices at or past it are holes
+                extra = dict(lengths=ops.compute_c128a_range_lengths(pos, sm, r, self.c4_entry_limit, validate=False,
+                                                                     impl=impl))
+            elif r == 128 and form == "range":
                 extra = dict(starts=self._c128_zero_starts[:t],
-                             lengths=ops.compute_c128a_range_lengths(pos, sm, r, self.c128_lengths, impl=impl))
+                             lengths=ops.compute_c128a_range_lengths(pos, sm, r, self.c128_lengths, validate=False,
+                                                                     impl=impl))
             elif r == 128:
                 g, dl, pf = ops.build_c128a_topk_metadata(
                     pos, r, nd, t2r, bt, bs, sm, self.c128_global_decode, self.c128_decode_lens, self.c128_prefill,
-                    c.c128a_max_compressed, full_width=(form == "full"), validate_lengths=False, impl=impl,
+                    c.c128a_max_compressed, full_width=(form == "full"), validate=False, impl=impl,
                 )
                 extra = dict(global_decode=g, decode_lens=dl, prefill_local=pf)
             comp[r] = CompressedMetadata(r, bt, bs, csm, **extra)
@@ -329,13 +357,17 @@ class StepMetadataBuilder:
         that the next call overwrites (one layer at a time)."""
         if 4 not in self.config.compress_ratios:
             raise ValueError("global_topk needs compress ratio 4 in MetadataConfig.compress_ratios")
+        if not isinstance(step, StepMetadata) or step.config is not self.config:
+            raise TypeError("step must be the StepMetadata this builder built")
         n = topk_local.shape[0] if isinstance(topk_local, torch.Tensor) else -1
         if not 0 <= n <= step.batch.num_tokens:
             raise ValueError(f"topk_local must be a tensor with at most {step.batch.num_tokens} rows")
         if topk_local.dim() != 2 or topk_local.shape[1] > self.config.index_topk:
             raise ValueError(f"topk_local must be [n, K<={self.config.index_topk}], got {tuple(topk_local.shape)}")
         cm = step.compressed[4]
+        # Validated once per step by build(); the per-layer call only masks by each token's own
+        # entry count (cm.lengths), so no index reaches past the request's real entries.
         return ops.compute_global_topk_indices_and_lens(
             topk_local, step.token_to_req[:n], cm.block_table, cm.block_size, step.is_valid_token[:n],
-            self.c4_global_topk, self.c4_topk_lens, impl=impl,
+            self.c4_global_topk, self.c4_topk_lens, cm.lengths, validate=False, impl=impl,
         )

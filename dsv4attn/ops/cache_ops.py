@@ -8,7 +8,10 @@
 Slot semantics everywhere: ``slot = block_id * block_size + offset``; ``-1`` (any negative in
 the kernels) writes nothing. ``validate_slots=True`` (default) checks ``-1 <= slot <
 num_blocks * block_size`` on the host before launching (one device sync); pass ``False`` under
-CUDA-graph capture, where out-of-range slots are then skipped by the kernels instead.
+CUDA-graph capture and in a layer step whose slots the metadata builder proved once per step;
+out-of-range slots are then skipped by the kernels instead. Types, dtypes, shapes, strides and
+devices are checked on every call (host only); strided slot mappings and positions are made
+contiguous before a kernel reads them. Nothing is written before every check passed.
 Only the bytes of the addressed entries change: page padding is never written. Two tokens of
 one call with the same valid slot leave that slot holding one of them (unspecified which).
 """
@@ -26,8 +29,13 @@ from dsv4attn.kernels.cache_ops import (
     _insert_rows_kernel,
     _write_compressor_state_kernel,
 )
-from dsv4attn.kv_cache.layout import FP8DSMLALayout, check_fp8_ds_mla_cache, layout_for_head_dim
-from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
+from dsv4attn.kv_cache.layout import (
+    FP8DSMLALayout,
+    check_fp8_ds_mla_cache,
+    check_indexer_k_cache,
+    layout_for_head_dim,
+    normalize_kv_cache_dtype,
+)
 from dsv4attn.reference.cache_ops import (
     insert_indexer_k_ref,
     insert_kv_ref,
@@ -43,18 +51,24 @@ def _p2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
-def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, capacity: int, validate: bool) -> None:
+def _check_slots(slot_mapping: torch.Tensor, num_tokens: int, capacity: int, validate: bool) -> torch.Tensor:
+    """The slot mapping as the kernels read it (contiguous); with ``validate``, every slot in
+    ``[-1, capacity)`` (one host sync)."""
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, shape=(num_tokens,))
+    slot_mapping = slot_mapping.contiguous()
     if validate and num_tokens:
         lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
         if lo < -1:
             raise ValueError(f"slot_mapping has {lo}; slots must be >= 0 or -1 (skip)")
         if hi >= capacity:
             raise ValueError(f"slot_mapping has slot {hi} >= cache capacity {capacity} (num_blocks * block_size)")
+    return slot_mapping
 
 
 def _check_row_cache(name: str, cache: object, dim: int) -> torch.Tensor:
-    check_tensor(name, cache, dtype=_ROW_CACHE_DTYPES, ndim=3)
+    cache = check_tensor(name, cache, dtype=_ROW_CACHE_DTYPES, ndim=3)
+    if cache.shape[0] < 1 or cache.shape[1] < 1:
+        raise ValueError(f"{name} must hold at least one block of one entry, got shape {tuple(cache.shape)}")
     if cache.shape[2] != dim or cache.stride(2) != 1:
         raise ValueError(f"{name} must be (num_blocks, block_size, {dim}) with a contiguous last dim, "
                          f"got shape {tuple(cache.shape)} strides {cache.stride()}")
@@ -92,13 +106,18 @@ def insert_kv(
     entries too: a compressed cache is just a cache with its own block size and slot mapping.
     Non-finite inputs give unspecified bytes in their own slot only.
     """
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     check_tensor("kv", kv, dtype=_FLOAT_INPUTS, ndim=2)
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     check_tensor("cache", cache)
     device = same_device(kv=kv, slot_mapping=slot_mapping, cache=cache)
     num_tokens, head_dim = kv.shape
+    if head_dim == 0:
+        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     if kv.stride(1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
+    if layout is not None and not isinstance(layout, FP8DSMLALayout):
+        raise TypeError(f"layout must be an FP8DSMLALayout or None, got {type(layout).__name__}")
     if kv_cache_dtype == "fp8_ds_mla":
         if layout is None:
             layout = layout_for_head_dim(head_dim, 64)
@@ -114,7 +133,7 @@ def insert_kv(
         _check_row_cache("cache", cache, head_dim)
     else:
         raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {kv_cache_dtype!r}")
-    _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
+    slot_mapping = _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
@@ -124,6 +143,7 @@ def insert_kv(
     if kv_cache_dtype == "auto":
         _launch_rows(kv, slot_mapping, cache)
         return
+    assert layout is not None  # resolved above for fp8_ds_mla
     _insert_kv_fp8_kernel[(num_tokens,)](
         kv, slot_mapping, cache,
         kv.stride(0), cache.stride(0), cache.shape[1], cache.shape[0] * cache.shape[1],
@@ -148,33 +168,28 @@ def insert_indexer_k(
     k: ``[num_tokens, D]`` bf16/fp16/fp32 (D = index_head_dim, 128 in production).
     slot_mapping: ``[num_tokens]`` int32/int64, -1 = skip. cache: fp8 mode (``"fp8_ds_mla"``) ->
     ``(num_blocks, block_size, D + 4)`` uint8 view whose block stride is the page size
-    (:func:`dsv4attn.reference.cache_ops.alloc_indexer_k_cache`): the entry's D e4m3fn bytes at
+    (:func:`dsv4attn.kv_cache.layout.alloc_indexer_k_cache`): the entry's D e4m3fn bytes at
     ``off*D`` and its fp32 scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` (amax of the
     bf16-rounded key) at ``block_size*D + off*4``; ``"auto"`` -> ``(num_blocks, block_size, D)``
     bf16/fp32 rows.
     """
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     check_tensor("k", k, dtype=_FLOAT_INPUTS, ndim=2)
     check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     check_tensor("cache", cache)
     device = same_device(k=k, slot_mapping=slot_mapping, cache=cache)
     num_tokens, dim = k.shape
+    if dim == 0:
+        raise ValueError(f"k must have at least one column, got shape {tuple(k.shape)}")
     if k.stride(1) != 1:
         raise ValueError(f"k must be contiguous in its last dim, got strides {k.stride()}")
     if kv_cache_dtype == "fp8_ds_mla":
-        check_tensor("cache", cache, dtype=torch.uint8, ndim=3)
-        bs = cache.shape[1]
-        if cache.shape[2] != dim + INDEXER_SCALE_BYTES or cache.stride(2) != 1:
-            raise ValueError(f"cache must be (num_blocks, block_size, {dim + INDEXER_SCALE_BYTES}) uint8 "
-                             f"with contiguous bytes, got {tuple(cache.shape)} strides {cache.stride()}")
-        if cache.shape[0] > 1 and cache.stride(0) < bs * (dim + INDEXER_SCALE_BYTES):
-            raise ValueError(f"cache block stride {cache.stride(0)} < page bytes {bs * (dim + 4)}")
-        if cache.stride(1) != dim + INDEXER_SCALE_BYTES and bs > 1:
-            raise ValueError(f"cache entry stride must be {dim + 4}, got {cache.stride(1)}")
+        check_indexer_k_cache("cache", cache, dim)
     elif kv_cache_dtype == "auto":
         _check_row_cache("cache", cache, dim)
     else:
         raise ValueError(f"kv_cache_dtype must be 'fp8_ds_mla' or 'auto', got {kv_cache_dtype!r}")
-    _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
+    slot_mapping = _check_slots(slot_mapping, num_tokens, cache.shape[0] * cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
@@ -211,6 +226,8 @@ def write_compressor_state(
     """
     check_tensor("kv", kv, dtype=torch.float32, ndim=2)
     num_tokens, width = kv.shape
+    if width == 0:
+        raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
     check_tensor("score", score, dtype=torch.float32, shape=(num_tokens, width))
     check_tensor("ape", ape, dtype=torch.float32, shape=(None, width))
     check_tensor("positions", positions, dtype=_SLOT_DTYPES, shape=(num_tokens,))
@@ -226,7 +243,10 @@ def write_compressor_state(
     for name, t in (("kv", kv), ("score", score), ("ape", ape)):
         if t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    _check_slots(slot_mapping, num_tokens, state_cache.shape[0] * state_cache.shape[1], validate_slots)
+    if state_cache.shape[0] < 1 or state_cache.shape[1] < 1:
+        raise ValueError(f"state_cache must hold at least one block of one row, got shape {tuple(state_cache.shape)}")
+    positions = positions.contiguous()
+    slot_mapping = _check_slots(slot_mapping, num_tokens, state_cache.shape[0] * state_cache.shape[1], validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return

@@ -9,9 +9,17 @@ Block sizes: every ``block_size`` argument counts ENTRIES physically stored per 
 cache the slots index (SWA 64, C4A compressed 64 = 256 // 4, C128A compressed 2 = 256 // 128).
 This is vLLM's "storage block size", which it passes to the same functions.
 
-Out-of-table reads: an entry whose block column is ``>= block_table.shape[1]`` becomes -1 instead
-of an out-of-bounds read. Block ids themselves are not range-checked here (that would need a host
-sync); ``StepMetadataBuilder`` checks them against ``num_blocks`` on the host before building.
+Out-of-table reads: an entry whose block column is ``>= block_table.shape[1]`` or whose block id
+is negative becomes -1 (:mod:`dsv4attn.kv_cache.slots`) instead of an out-of-bounds read.
+
+Validation (the contract of docs/design.md): every op checks types, dtypes, shapes, devices and
+sizes on every call (host-only, no sync). With ``validate=True`` (the default) it also checks the
+values that address memory, with one host sync: token-to-request indices name rows of the block
+table, positions keep ``p + 1`` inside int32, int32 slot outputs cannot overflow, and
+``query_start_loc`` / ``seq_lens`` describe a batch. ``StepMetadataBuilder`` proves all of that
+once per step from its ``BatchMetadata`` and calls the ops with ``validate=False`` (also the
+setting for CUDA-graph capture). Strided 1-D inputs are made contiguous (a copy only when they
+are not); outputs must have a unit last-dim stride.
 """
 
 from __future__ import annotations
@@ -19,21 +27,22 @@ from __future__ import annotations
 import torch
 import triton
 
-from dsv4attn._checks import check_tensor, same_device
+from dsv4attn._checks import INT32_MAX, check_int, check_tensor, check_values, same_device
 from dsv4attn.device import resolve_impl
 from dsv4attn.kernels import metadata as K
 from dsv4attn.reference import metadata as R
-from dsv4attn.reference.metadata import C128A_TOPK_ALIGNMENT
+from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT, DEFAULT_MAX_COMPRESSED_TOKENS
+
+#: Positions must leave ``p + 1`` inside int32 (lengths and entry counts are int32).
+MAX_POSITION = INT32_MAX - 1
+#: Widest sliding window one program covers (the kernel holds the whole row).
+MAX_WINDOW = 1 << 16
 
 _INT = (torch.int32, torch.int64)
 
 
-def _check_int(name: str, v: object, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
-    return v
+def _check_int(name: str, v: object, lo: int = 0, hi: int = INT32_MAX) -> int:
+    return check_int(name, v, lo, hi)
 
 
 def _check_block_table(block_table: object, num_reqs: int | None = None) -> torch.Tensor:
@@ -43,10 +52,19 @@ def _check_block_table(block_table: object, num_reqs: int | None = None) -> torc
     return bt
 
 
-def _unit_stride(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+def _check_slot_range(block_table: torch.Tensor, block_size: int) -> None:
+    """int32 slots: the largest block id's last slot must fit in int32 (one host sync)."""
+    if block_table.numel():
+        top = int(block_table.max())
+        if (top + 1) * block_size - 1 > INT32_MAX:
+            raise ValueError(f"block_table holds block id {top}: with block_size {block_size} its slots pass the "
+                             f"int32 limit of the int32 outputs")
+
+
+def _check_requests(name: str, t2r: torch.Tensor, num_rows: int) -> None:
+    """Token-to-request indices must name rows of the block table: -1 or any other value outside
+    ``[0, rows)`` would read another request's row or outside the table."""
+    check_values(name, t2r, 0, num_rows - 1)
 
 
 def _check_out(name: str, t: object, rows: int, cols: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -57,6 +75,22 @@ def _check_out(name: str, t: object, rows: int, cols: int | None, dtype: torch.d
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit last-dim stride, got strides {t.stride()}")
     return t
+
+
+def _check_batch_tensors(qsl: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """query_start_loc starts at 0 and never decreases; 0 <= query_len <= seq_len < 2^31 (one sync)."""
+    q = qsl.detach().cpu().long()
+    s = seq_lens.detach().cpu().long()
+    if q.numel() and int(q[0]) != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(q[0])}")
+    ql = q[1:] - q[:-1]
+    if ql.numel() and int(ql.min()) < 0:
+        i = int((ql < 0).nonzero()[0, 0])
+        raise ValueError(f"query_start_loc must be non-decreasing: [{i}]={int(q[i])} > [{i + 1}]={int(q[i + 1])}")
+    if s.numel() and bool((s < ql).any()):
+        i = int((s < ql).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}]={int(s[i])} is smaller than its query length {int(ql[i])}")
+    check_values("seq_lens", seq_lens, 0, MAX_POSITION)
 
 
 def get_compressed_slot_mapping(
@@ -70,6 +104,8 @@ def get_compressed_slot_mapping(
     cp_world_size: int = 1,
     cp_rank: int = 0,
     cp_kv_cache_interleave_size: int = 1,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Compressed-cache slot per raw token: int64 ``[num_tokens]`` (a prefix of ``out``).
@@ -81,11 +117,14 @@ def get_compressed_slot_mapping(
     ``k = (p + 1) // compress_ratio - 1`` and gets its slot; every other token, tokens at or past
     ``query_start_loc[R]``, and the whole tail of ``out`` beyond ``num_tokens`` get -1.
 
-    Context parallelism (decided here, consistent with vLLM when ``block_size % interleave == 0``):
-    entries are dealt to ranks in chunks of ``cp_kv_cache_interleave_size``: entry k lives on rank
-    ``(k // I) % cp_world_size`` at rank-local entry index ``L = (k // (I * world)) * I + k % I``,
-    stored at ``block_table[q, L // block_size] * block_size + L % block_size`` (the table is the
-    rank's own); tokens whose entry lives on another rank get -1.
+    Context parallelism, exactly the engine's formula (vLLM ``compressor_utils``) for every
+    interleave size I: with ``c = p // compress_ratio`` and ``vbs = block_size * cp_world_size``,
+    ``voff = c % vbs``; the entry is this rank's iff ``(voff // I) % cp_world_size == cp_rank``,
+    stored at ``block_table[q, c // vbs] * block_size + (voff // (cp_world_size * I)) * I +
+    voff % I`` (the table is the rank's own). Tokens whose entry lives on another rank get -1.
+    When I does not divide ``block_size`` the engine's in-block offset can reach past
+    ``block_size``; the result is kept equal to the engine's (the cache writers then refuse or
+    skip slots outside the cache).
     """
     _check_int("num_tokens", num_tokens)
     _check_int("block_size", block_size, 1)
@@ -98,8 +137,10 @@ def get_compressed_slot_mapping(
     num_reqs = seq_lens.shape[0]
     qsl = check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, shape=(num_reqs + 1,))
     bt = _check_block_table(block_table, num_reqs)
-    _unit_stride(query_start_loc=qsl, seq_lens=seq_lens)
+    qsl, seq_lens = qsl.contiguous(), seq_lens.contiguous()
     dev = same_device(query_start_loc=qsl, seq_lens=seq_lens, block_table=bt, out=out)
+    if validate:
+        _check_batch_tensors(qsl, seq_lens)
     if out is None:
         out = torch.empty(num_tokens, dtype=torch.int64, device=dev)
     out = _check_out("out", out, num_tokens, None, torch.int64)
@@ -128,9 +169,10 @@ def build_c128a_topk_metadata(
     global_decode_buffer: torch.Tensor,
     decode_lens_buffer: torch.Tensor,
     prefill_buffer: torch.Tensor,
-    max_compressed_tokens: int,
+    max_compressed_tokens: int = DEFAULT_MAX_COMPRESSED_TOKENS,
     full_width: bool = True,
-    validate_lengths: bool = True,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """C128A dense top-k rows: ``(global_decode [nd, W], decode_lens [nd], prefill_local [T-nd, W])``.
@@ -141,15 +183,15 @@ def build_c128a_topk_metadata(
     slot_mapping int64/int32 ``[T]`` (the raw per-token slot; -1 = padded token); buffers int32
     ``[rows, W]``, ``[rows]``, ``[rows, W]``. Returned tensors are slices of the buffers.
 
-    With ``n = (p + 1) // compress_ratio`` (clamped to ``max_compressed_tokens``): decode row t
-    holds the global slots of entries ``0..n-1`` then -1, ``decode_lens[t] = n`` (0 when
-    ``slot_mapping[t] < 0``); prefill row holds local indices ``0..n-1`` then -1.
-    ``full_width=True`` (engine form) writes columns ``[0, max_compressed_tokens)`` of each row;
-    ``full_width=False`` (real-context form) writes only ``[0, round_up(n, 128))`` (capped at
-    ``max_compressed_tokens``) and leaves the rest of the row untouched (never read, since every
-    consumer bounds reads by the length). No kernel writes past ``max_compressed_tokens``, which
-    must be <= each buffer's row width W. ``validate_lengths`` checks ``n <= max_compressed_tokens``
-    for every token (one host sync; the builders check on the host instead and pass False).
+    With ``n = min((p + 1) // compress_ratio, max_compressed_tokens)`` (clamped, as the engine
+    does; default 8192 as in the engine): decode row t holds the global slots of entries
+    ``0..n-1`` then -1, ``decode_lens[t] = n`` (0 when ``slot_mapping[t] < 0``); prefill row holds
+    local indices ``0..n-1`` then -1. ``full_width=True`` (engine form) writes columns
+    ``[0, max_compressed_tokens)`` of each row; ``full_width=False`` (real-context form) writes
+    only ``[0, round_up(n, 128))`` (capped at ``max_compressed_tokens``) and leaves the rest of the
+    row untouched (never read, since every consumer bounds reads by the length). No kernel writes
+    past ``max_compressed_tokens``, which must be <= each buffer's row width W (the engine would
+    spill into the next row; here it is a ``ValueError``).
     """
     _check_int("compress_ratio", compress_ratio, 1)
     _check_int("block_size", block_size, 1)
@@ -166,19 +208,16 @@ def build_c128a_topk_metadata(
     if sm.shape[0] < num_tokens:
         raise ValueError(f"slot_mapping needs >= {num_tokens} entries, got {tuple(sm.shape)}")
     bt = _check_block_table(block_table)
-    _unit_stride(positions=pos, token_to_req_indices=t2r, slot_mapping=sm)
+    pos, t2r, sm = pos.contiguous(), t2r.contiguous(), sm.contiguous()
     gdec = _check_out("global_decode_buffer", global_decode_buffer, nd, max_compressed_tokens, torch.int32)
     dlens = _check_out("decode_lens_buffer", decode_lens_buffer, nd, None, torch.int32)
     pref = _check_out("prefill_buffer", prefill_buffer, num_tokens - nd, max_compressed_tokens, torch.int32)
     dev = same_device(positions=pos, token_to_req_indices=t2r, block_table=bt, slot_mapping=sm,
                       global_decode_buffer=gdec, decode_lens_buffer=dlens, prefill_buffer=pref)
-    if validate_lengths and num_tokens > 0:
-        n_max = int((pos.max().item() + 1) // compress_ratio)
-        if n_max > max_compressed_tokens:
-            raise ValueError(
-                f"positions need up to {n_max} compressed entries per token but "
-                f"max_compressed_tokens={max_compressed_tokens}"
-            )
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
+        _check_requests("token_to_req_indices", t2r[:nd], bt.shape[0])
+        _check_slot_range(bt, block_size)
     if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
         return R.build_c128a_topk_metadata_ref(
             pos, compress_ratio, nd, t2r, bt, block_size, sm, gdec, dlens, pref,
@@ -201,6 +240,8 @@ def compute_swa_indices_and_lens(
     window_size: int,
     indices_out: torch.Tensor | None = None,
     lens_out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sliding-window indices: ``(indices int32 [T, >=W], lens int32 [T])``, slices of the outputs.
@@ -212,13 +253,13 @@ def compute_swa_indices_and_lens(
     -1. Exactly columns ``[0, W)`` of each of the first T rows are written.
     """
     _check_int("block_size", block_size, 1)
-    _check_int("window_size", window_size, 1)
+    _check_int("window_size", window_size, 1, MAX_WINDOW)
     pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
     num_tokens = pos.shape[0]
     t2r = check_tensor("token_to_req_indices", token_to_req_indices, dtype=torch.int32, shape=(num_tokens,))
     sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, shape=(num_tokens,))
     bt = _check_block_table(block_table)
-    _unit_stride(positions=pos, token_to_req_indices=t2r, slot_mapping=sm)
+    pos, t2r, sm = pos.contiguous(), t2r.contiguous(), sm.contiguous()
     dev = same_device(positions=pos, token_to_req_indices=t2r, block_table=bt, slot_mapping=sm,
                       indices_out=indices_out, lens_out=lens_out)
     if indices_out is None:
@@ -227,6 +268,10 @@ def compute_swa_indices_and_lens(
         lens_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     idx = _check_out("indices_out", indices_out, num_tokens, window_size, torch.int32)
     lens = _check_out("lens_out", lens_out, num_tokens, None, torch.int32)
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
+        _check_requests("token_to_req_indices", t2r, bt.shape[0])
+        _check_slot_range(bt, block_size)
     if resolve_impl(impl, dev) == "reference" or num_tokens == 0:
         return R.compute_swa_indices_and_lens_ref(pos, t2r, bt, block_size, sm, window_size, idx, lens)
     K._swa_indices_kernel[(num_tokens,)](
@@ -244,6 +289,9 @@ def compute_global_topk_indices_and_lens(
     is_valid_token: torch.Tensor,
     out: torch.Tensor | None = None,
     lens_out: torch.Tensor | None = None,
+    entry_limit: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Request-local top-k -> global compressed slots: ``(global int32 [T, K], lens int32 [T])``.
@@ -253,38 +301,48 @@ def compute_global_topk_indices_and_lens(
     block (64 for C4A), is_valid_token bool ``[T]``. ``global[t, j]`` = slot of ``topk_local[t, j]``
     when it is >= 0, else -1; ``lens[t]`` = number of entries >= 0 in the row (holes may sit
     anywhere in the row), 0 for invalid tokens. Columns ``[0, K)`` of the first T rows are written.
+    ``entry_limit`` int32 ``[>= T]`` (optional): entries ``>= entry_limit[t]`` (beyond the token's
+    own context, e.g. ``(p + 1) // 4``) are holes too and not counted, so an index past the
+    request's real entries never reaches another request's blocks.
     """
     _check_int("block_size", block_size, 1)
     loc = check_tensor("topk_local", topk_local, dtype=torch.int32, ndim=2)
     num_tokens, k = loc.shape
-    if loc.stride(1) != 1:
-        raise ValueError(f"topk_local must have a unit last-dim stride, got strides {loc.stride()}")
     t2r = check_tensor("token_to_req", token_to_req, dtype=torch.int32, shape=(num_tokens,))
     ok = check_tensor("is_valid_token", is_valid_token, dtype=torch.bool, shape=(num_tokens,))
     bt = _check_block_table(block_table)
-    _unit_stride(token_to_req=t2r, is_valid_token=ok)
+    lim = None
+    if entry_limit is not None:
+        lim = check_tensor("entry_limit", entry_limit, dtype=torch.int32, ndim=1)
+        if lim.shape[0] < num_tokens:
+            raise ValueError(f"entry_limit needs >= {num_tokens} entries, got {tuple(lim.shape)}")
+        lim = lim[:num_tokens].contiguous()
+    loc, t2r, ok = loc.contiguous(), t2r.contiguous(), ok.contiguous()
     dev = same_device(topk_local=loc, token_to_req=t2r, block_table=bt, is_valid_token=ok,
-                      out=out, lens_out=lens_out)
+                      out=out, lens_out=lens_out, entry_limit=lim)
     if out is None:
         out = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     if lens_out is None:
         lens_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     out = _check_out("out", out, num_tokens, k, torch.int32)
     lens = _check_out("lens_out", lens_out, num_tokens, None, torch.int32)
+    if validate:
+        _check_requests("token_to_req", t2r, bt.shape[0])
+        _check_slot_range(bt, block_size)
     if resolve_impl(impl, dev) == "reference" or num_tokens == 0 or k == 0:
-        return R.compute_global_topk_indices_and_lens_ref(loc, t2r, bt, block_size, ok, out, lens)
+        return R.compute_global_topk_indices_and_lens_ref(loc, t2r, bt, block_size, ok, out, lens, lim)
     K._global_topk_kernel[(num_tokens,)](
         loc, loc.stride(0), t2r, bt, bt.stride(0), bt.stride(1), bt.shape[1], block_size, ok,
-        out, out.stride(0), lens, k, BLOCK_K=min(1024, triton.next_power_of_2(k)),
+        out, out.stride(0), lens, k, lim if lim is not None else t2r,
+        HAS_LIMIT=lim is not None, BLOCK_K=min(1024, triton.next_power_of_2(k)),
     )
     return out[:num_tokens, :k], lens[:num_tokens]
 
 
-def _range_inputs(positions, slot_mapping):
+def _range_inputs(positions: object, slot_mapping: object, validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     pos = check_tensor("positions", positions, dtype=_INT, ndim=1)
     sm = check_tensor("slot_mapping", slot_mapping, dtype=_INT, shape=(pos.shape[0],))
-    _unit_stride(positions=pos, slot_mapping=sm)
-    return pos, sm
+    return pos.contiguous(), sm.contiguous()
 
 
 def compute_swa_ranges(
@@ -293,6 +351,8 @@ def compute_swa_ranges(
     window_size: int,
     starts_out: torch.Tensor | None = None,
     lengths_out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SWA range form: ``(starts int32 [T], lengths int32 [T])``; no index rows.
@@ -302,9 +362,11 @@ def compute_swa_ranges(
     contract in ``dsv4attn.metadata``).
     """
     _check_int("window_size", window_size, 1)
-    pos, sm = _range_inputs(positions, slot_mapping)
+    pos, sm = _range_inputs(positions, slot_mapping, validate)
     num_tokens = pos.shape[0]
     dev = same_device(positions=pos, slot_mapping=sm, starts_out=starts_out, lengths_out=lengths_out)
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
     if starts_out is None:
         starts_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     if lengths_out is None:
@@ -325,6 +387,8 @@ def compute_c128a_range_lengths(
     slot_mapping: torch.Tensor,
     compress_ratio: int,
     lengths_out: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """C128A range form: ``lengths int32 [T] = (p + 1) // compress_ratio`` (0 when
@@ -332,9 +396,11 @@ def compute_c128a_range_lengths(
     writes no starts per step.
     """
     _check_int("compress_ratio", compress_ratio, 1)
-    pos, sm = _range_inputs(positions, slot_mapping)
+    pos, sm = _range_inputs(positions, slot_mapping, validate)
     num_tokens = pos.shape[0]
     dev = same_device(positions=pos, slot_mapping=sm, lengths_out=lengths_out)
+    if validate:
+        check_values("positions", pos, None, MAX_POSITION)
     if lengths_out is None:
         lengths_out = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     ln = _check_out("lengths_out", lengths_out, num_tokens, None, torch.int32)

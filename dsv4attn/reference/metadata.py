@@ -6,36 +6,27 @@ the same slices the op returns. Vectorised torch code, no host sync beyond what 
 
 Conventions shared by every op (see ``dsv4attn/ops/metadata.py`` for the full docstrings):
 - ``block_size`` counts ENTRIES physically stored per block (SWA 64, C4A compressed 64,
-  C128A compressed 2); entry ``e`` of a request lives at global slot
-  ``block_table[req, e // block_size] * block_size + e % block_size``.
-- An entry whose block column lies beyond ``block_table.shape[1]`` becomes -1 (a hole) instead
-  of an out-of-bounds read; the builders reject such batches up front.
+  C128A compressed 2); slots come from :func:`dsv4attn.kv_cache.slots.entry_slots` (one formula,
+  one meaning of holes: an entry whose block column lies beyond ``block_table.shape[1]`` or whose
+  block id is negative becomes -1 instead of an out-of-bounds read; the builders reject such
+  batches up front).
 """
 
 from __future__ import annotations
 
 import torch
 
-#: FlashMLA needs compressed top-k widths that are a multiple of its B_TOPK (64 or 128):
-#: C128A rows are padded with -1 to a multiple of this (vLLM ``_C128A_TOPK_ALIGNMENT``).
-C128A_TOPK_ALIGNMENT = 128
+from dsv4attn.kv_cache.slots import C128A_TOPK_ALIGNMENT, block_slots, entry_slots
 
-
-def _lookup_slots(
-    block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int, valid: torch.Tensor
-) -> torch.Tensor:
-    """int64 global slots of ``entry`` (same shape as ``req``/``entry``); -1 where not ``valid``
-    or where the block column is beyond the table."""
-    max_blocks = block_table.shape[1]
-    col = torch.div(entry, block_size, rounding_mode="floor")
-    valid = valid & (col >= 0) & (col < max_blocks)
-    if block_table.shape[0] == 0 or max_blocks == 0:
-        return torch.full_like(entry, -1, dtype=torch.int64)
-    col = torch.where(valid, col, torch.zeros_like(col))
-    req = torch.where(valid, req.long(), torch.zeros_like(req, dtype=torch.int64))
-    blk = block_table[req, col].long()
-    slot = blk * block_size + torch.remainder(entry, block_size)
-    return torch.where(valid, slot, torch.full_like(slot, -1))
+__all__ = [
+    "C128A_TOPK_ALIGNMENT",
+    "build_c128a_topk_metadata_ref",
+    "compute_c128a_range_lengths_ref",
+    "compute_global_topk_indices_and_lens_ref",
+    "compute_swa_indices_and_lens_ref",
+    "compute_swa_ranges_ref",
+    "get_compressed_slot_mapping_ref",
+]
 
 
 def get_compressed_slot_mapping_ref(
@@ -65,12 +56,16 @@ def get_compressed_slot_mapping_ref(
     qlen = qsl[req + 1] - start
     p = seq_lens.long()[req] - qlen + (t - start)
     valid = (t < total) & (p >= 0) & (torch.remainder(p + 1, compress_ratio) == 0)
-    k = (p + 1) // compress_ratio - 1
+    # The engine's formula: entry c = p // r; entries are dealt to CP ranks within each virtual
+    # block of block_size * world entries, in chunks of the interleave size I.
+    c = torch.div(p.clamp(min=0), compress_ratio, rounding_mode="floor")
     il, ws = cp_kv_cache_interleave_size, cp_world_size
-    chunk = torch.div(k, il, rounding_mode="floor")
-    valid &= torch.remainder(chunk, ws) == cp_rank
-    local = torch.div(chunk, ws, rounding_mode="floor") * il + torch.remainder(k, il)
-    out[:num_tokens] = _lookup_slots(block_table, req, local, block_size, valid)
+    vbs = block_size * ws
+    voff = torch.remainder(c, vbs)
+    valid &= torch.remainder(torch.div(voff, il, rounding_mode="floor"), ws) == cp_rank
+    off = torch.div(voff, ws * il, rounding_mode="floor") * il + torch.remainder(voff, il)
+    col = torch.div(c, vbs, rounding_mode="floor")
+    out[:num_tokens] = block_slots(block_table, req, col, off, block_size, valid)
     return out[:num_tokens]
 
 
@@ -102,7 +97,7 @@ def build_c128a_topk_metadata_ref(
         nn, ee = n[:nd, None], ends[:nd, None]
         req = token_to_req_indices[:nd, None].long().expand(nd, max_compressed_tokens)
         entry = cols[None, :].expand(nd, max_compressed_tokens)
-        slots = _lookup_slots(block_table, req, entry, block_size, entry < nn).to(torch.int32)
+        slots = entry_slots(block_table, req, entry, block_size, entry < nn).to(torch.int32)
         rows = global_decode_buffer[:nd, :max_compressed_tokens]
         keep = entry >= ee  # columns this form does not write
         rows.copy_(torch.where(keep, rows, slots))
@@ -136,7 +131,7 @@ def compute_swa_indices_and_lens_ref(
     j = torch.arange(window_size, device=positions.device, dtype=torch.int64)[None, :]
     req = token_to_req_indices.long()[:, None].expand(num_tokens, window_size)
     entry = (start + j).expand(num_tokens, window_size)
-    slots = _lookup_slots(block_table, req, entry, block_size, j < length)
+    slots = entry_slots(block_table, req, entry, block_size, j < length)
     indices_out[:num_tokens, :window_size] = slots.to(torch.int32)
     lens_out[:num_tokens] = length[:, 0].to(torch.int32)
     return indices_out[:num_tokens, :window_size], lens_out[:num_tokens]
@@ -150,13 +145,17 @@ def compute_global_topk_indices_and_lens_ref(
     is_valid_token: torch.Tensor,
     out: torch.Tensor,
     lens_out: torch.Tensor,
+    entry_limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``compute_global_topk_indices_and_lens``."""
     num_tokens, k = topk_local.shape
     local = topk_local.long()
     req = token_to_req_indices.long()[:, None].expand(num_tokens, k)
-    out[:num_tokens, :k] = _lookup_slots(block_table, req, local, block_size, local >= 0).to(torch.int32)
-    count = (local >= 0).sum(dim=1)
+    ok = local >= 0
+    if entry_limit is not None:
+        ok = ok & (local < entry_limit[:num_tokens, None].long())
+    out[:num_tokens, :k] = entry_slots(block_table, req, local, block_size, ok).to(torch.int32)
+    count = ok.sum(dim=1)
     lens_out[:num_tokens] = torch.where(is_valid_token, count, torch.zeros_like(count)).to(torch.int32)
     return out[:num_tokens, :k], lens_out[:num_tokens]
 

@@ -46,8 +46,7 @@ from dsv4attn.kv_cache.specs import (
     layer_cache_specs,
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.metadata import GROUP_C4, GROUP_C128, BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.metadata import GROUP_SWA as META_SWA
+from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 from dsv4attn.serving.paged import LayerCaches, layer_step
 
@@ -176,9 +175,7 @@ class PagedAttentionEngine:
         self.caches = [self._alloc_caches(i) for i in range(len(layers))]
         ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
         swa_bs = self.cache_config.swa_block_size
-        nb = {META_SWA: self.num_blocks[GROUP_SWA]}
-        nf = self.num_blocks.get(GROUP_FULL_MLA, 1)
-        nb.update({GROUP_C4: nf, GROUP_C128: nf})
+        nb = {g: self.num_blocks[g] for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
         self.builder = StepMetadataBuilder(MetadataConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
             num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,
@@ -395,11 +392,7 @@ class PagedAttentionEngine:
             tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
             return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
                             {r: t for r, t in tables.items() if t is not None}, bucket)
-        tables = {META_SWA: m.block_table(order, GROUP_SWA, device=dev)}
-        if GROUP_FULL_MLA in self.num_blocks:
-            full = m.block_table(order, GROUP_FULL_MLA, device=dev)
-            for r in self.builder.config.compress_ratios:
-                tables[GROUP_C4 if r == 4 else GROUP_C128] = full
+        tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
                                             num_speculative_tokens=self.num_speculative_tokens, device=dev)
         meta = self.builder.build(batch, impl=self.impl)

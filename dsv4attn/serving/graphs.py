@@ -12,9 +12,9 @@ B >= R with pad requests (one token at position 0, SWA slot -1, every other tabl
 writers skip them and their candidate sets are empty). ``prepare`` writes the step's tables,
 positions and slots into the static buffers and runs the metadata builder on them (host work,
 once per step); ``run(i, hidden)`` copies hidden into the bucket's input and replays layer i's
-graph. Every captured shape depends on B and the capacities only (the layer step's static
-form: ``layer_step(..., max_model_len=...)``), never on a context length, so a graph captured
-at a short context replays correctly at any longer one.
+graph. Every captured shape depends on B and the table capacities only (the layer step has no
+shape that depends on a context length and no host sync), so a graph captured at a short
+context replays correctly at any longer one.
 
 ``capture=False`` runs the same padded static step eagerly (CPU-testable, and the "eager"
 side of the bit-for-bit replay tests).
@@ -36,8 +36,7 @@ import torch
 
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, cdiv
 from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA
-from dsv4attn.metadata import GROUP_C4, GROUP_C128, BatchMetadata, StepMetadata
-from dsv4attn.metadata import GROUP_SWA as META_SWA
+from dsv4attn.metadata import BatchMetadata, StepMetadata
 from dsv4attn.serving.paged import layer_step
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -106,10 +105,7 @@ class DecodeGraphs:
             t[:bucket].copy_(host)
         self.positions[:bucket * q].copy_(pos)
         self.slots[:bucket * q].copy_(slots)
-        tables = {META_SWA: self.tables[GROUP_SWA][:bucket]}
-        if GROUP_FULL_MLA in self.tables:
-            for r in eng.builder.config.compress_ratios:
-                tables[GROUP_C4 if r == 4 else GROUP_C128] = self.tables[GROUP_FULL_MLA][:bucket]
+        tables = {g: self.tables[g][:bucket] for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.tables}
         batch = BatchMetadata.from_requests([q] * bucket, list(seq_lens) + [q] * (bucket - R), tables,
                                             slot_mapping=self.slots[:bucket * q], device=eng.device,
                                             num_speculative_tokens=eng.num_speculative_tokens)
@@ -129,7 +125,7 @@ class DecodeGraphs:
         eng = self.engine
         layer = eng.layers[i]
         return layer_step(layer, hidden, self.steps[bucket], eng.builder, eng.caches[i],
-                          self.state_table(bucket, layer.ratio), impl=eng.impl, max_model_len=eng.max_model_len)
+                          self.state_table(bucket, layer.ratio), impl=eng.impl)
 
     def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
         """Layer i on the prepared step: hidden ``[R * query_len, hidden]`` -> same shape (a copy)."""

@@ -26,8 +26,8 @@ import torch
 
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.hf_oracle import hf_forward, hf_reference_layer, small_hf_config
 from dsv4attn.serving.runner import AttentionRunner
+from dsv4attn.testing.hf_oracle import hf_forward, hf_reference_layer, small_hf_config
 
 #: Bytes of one fp8_ds_mla entry: a dense MLA cache stores one per token per layer.
 DENSE_ENTRY_BYTES = 584
@@ -216,7 +216,8 @@ def format_table(results: list[DemoResult]) -> str:
         cells = [r.size, r.device, str(r.requests), str(r.tokens), str(r.steps),
                  *[f"{r.max_err.get(k, float('nan')):.2e}" for k in kinds],
                  *[f"{r.ref_bf16_err[k]:.2e}" if k in r.ref_bf16_err else "-" for k in kinds],
-                 str(r.tie_tokens), f"{r.kv_bytes_per_token:.0f}", f"{r.kv_bytes_per_token_limit:.0f}", f"{r.dense_bytes_per_token:.0f}", f"{r.seconds:.1f}"]
+                 str(r.tie_tokens), f"{r.kv_bytes_per_token:.0f}", f"{r.kv_bytes_per_token_limit:.0f}",
+                 f"{r.dense_bytes_per_token:.0f}", f"{r.seconds:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """One step of one DeepSeek-V4 attention layer over paged caches, for a whole batch at once.
 
 Called by :class:`dsv4attn.serving.engine.PagedAttentionEngine` for every layer of a step (the
-step's metadata is built once by the engine and shared by all layers).
+step's metadata is built once by the engine and shared by all layers). No host sync and no
+shape that depends on a context length: CUDA graphs capture it as is (``serving.graphs``).
 
 The batch is flat: ``T`` tokens of ``R`` requests (decodes first), described by the step's
 ``BatchMetadata`` / ``StepMetadata`` (``dsv4attn.metadata``). Order within the step (all cache
@@ -17,9 +18,8 @@ writes happen before attention reads, as in the serving engine):
 4. sparse attention with the sink over the SWA range and the compressed set;
 5. inverse RoPE + grouped output projection.
 
-Each op runs once for the whole batch. Cache writers and the attention op come from
-``dsv4attn.ops``; the pooling gather and the indexer scoring are plain PyTorch here (no kernel
-of their own yet).
+Each op runs once for the whole batch. Cache writers, compressor pooling, the indexer top-k and
+the attention op come from ``dsv4attn.ops``.
 """
 
 from __future__ import annotations
@@ -29,18 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from dsv4attn.kv_cache.layout import FP8DSMLALayout
-from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.compressor import Compressor
-from dsv4attn.layers.indexer import select_topk
 from dsv4attn.metadata import StepMetadata, StepMetadataBuilder
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv, write_compressor_state
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-
-#: Elements of the indexer's per-chunk temporaries ([tokens, entries, max(D_I, H_I)] fp32): the
-#: query tokens scored together are chosen so this bound holds (64 MiB of fp32).
-_INDEXER_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -79,14 +73,13 @@ def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.T
 def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
-    rotary: torch.nn.Module, impl: str, static: bool = False,
+    rotary: torch.nn.Module, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
-    Returns (entries ``[B, D]`` in hidden's dtype, their compressed slots int64 ``[B]``) for the
-    B boundary tokens (``entry_slots >= 0``); the caller writes them to its cache. ``static``:
-    B = every token (no host sync, shapes fixed by T: the CUDA-graph path); the rows of tokens
-    that close no entry are garbage with slot -1, which the writers skip.
+    Returns (entries ``[T, D]`` in hidden's dtype, their compressed slots int64 ``[T]``): one row
+    per token; rows of tokens that complete no block have slot -1 (the caller's insert skips
+    them), so no host sync picks the boundary tokens.
     """
     bs = state_cache.shape[1]
     slots, ok = state_slots(positions, token_to_req, state_table, bs)
@@ -94,83 +87,33 @@ def run_compressor(
                            comp.position_bias.float().contiguous(), positions,
                            torch.where(ok, slots, torch.full_like(slots, -1)), state_cache,
                            validate_slots=False, impl=impl)
-    if static:
-        bpos, req, out_slots = positions.long(), token_to_req.long(), entry_slots
-    else:
-        boundary = (entry_slots >= 0).nonzero().squeeze(1)
-        if boundary.numel() == 0:
-            return hidden.new_zeros((0, comp.dim)), entry_slots[:0]
-        bpos, req, out_slots = positions[boundary].long(), token_to_req[boundary].long(), entry_slots[boundary]
-    first = torch.div(bpos, comp.ratio, rounding_mode="floor") * comp.ratio
-    window = comp.window_positions(first // comp.ratio)  # [B, L]
-    wslots, wvalid = state_slots(window, req[:, None].expand_as(window), state_table, bs)
-    rows = state_cache.reshape(-1, state_cache.shape[2])[wslots]  # [B, L, width] fp32
+    pos = positions.long()
+    entry_slots = entry_slots[: pos.shape[0]]
+    pooled = comp.pool_paged(state_cache, state_table, token_to_req,
+                             torch.where(entry_slots >= 0, pos, torch.full_like(pos, -1)), impl=impl)
+    first = torch.div(pos.clamp(min=0), comp.ratio, rounding_mode="floor") * comp.ratio
     cos, sin = rotary(first)
-    entries = comp.finish(comp.pool(rows, wvalid), cos, sin, hidden.dtype)
-    return entries, out_slots
-
-
-def gather_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, fp8: bool) -> torch.Tensor:
-    """Indexer keys at global ``slots [...]`` (all valid) -> fp32 ``[..., D_I]``."""
-    bs = cache.shape[1]
-    blk, off = torch.div(slots, bs, rounding_mode="floor"), torch.remainder(slots, bs)
-    if not fp8:
-        return cache[blk, off].float()
-    d = cache.shape[2] - INDEXER_SCALE_BYTES
-    base = cache.as_strided((cache.shape[0] * cache.stride(0),), (1,), cache.storage_offset())
-    blk_base = blk * cache.stride(0)
-    data = base[(blk_base + off * d)[..., None] + torch.arange(d, device=slots.device)]
-    scale = base[(blk_base + bs * d + off * INDEXER_SCALE_BYTES)[..., None]
-                 + torch.arange(INDEXER_SCALE_BYTES, device=slots.device)]
-    return data.view(torch.float8_e4m3fn).float() * scale.contiguous().view(torch.float32)
+    return comp.finish(pooled, cos, sin, hidden.dtype), entry_slots
 
 
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
-    max_entries: int | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """Request-local top-k int32 ``[T, min(topk, N)]`` (-1 padded) of every token; N = the most
-    eligible entries ``(p+1)//r`` of any token in the step (one host sync), or ``max_entries``
-    when given (no sync; the CUDA-graph path passes the capacity ``max_model_len // r``)."""
+    """Request-local top-k int32 ``[T, topk]`` (-1 padded) of every token over the entries
+    ``0 .. (p+1)//r - 1`` of its request's indexer-K cache."""
     idx = layer.indexer
     eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
-    T = positions.shape[0]
-    n_max = max_entries if max_entries is not None else (int(eligible.max()) if T else 0)
-    width = min(idx.topk, n_max)
-    out = torch.full((T, width), -1, dtype=torch.int32, device=positions.device)
-    if width == 0:
-        return out
     q, w = idx.queries(qr, hidden, cos, sin)
-    bs = caches.indexer_k.shape[1]
-    e = torch.arange(n_max, device=positions.device)
-    fp8 = caches.kv_cache_dtype == "fp8_ds_mla"
-    per_chunk = max(1, _INDEXER_CHUNK_ELEMENTS // (n_max * max(idx.dim, idx.num_heads)))
-    for t0 in range(0, T, per_chunk):
-        rows = slice(t0, min(T, t0 + per_chunk))
-        req = token_to_req[rows].long()[:, None].expand(-1, n_max)
-        valid = e[None, :] < eligible[rows, None]
-        slot, ok = state_slots(e[None, :].expand_as(req), req, mla_table, bs)
-        ok = ok & valid
-        keys = gather_indexer_keys(caches.indexer_k, torch.where(ok, slot, torch.zeros_like(slot)), fp8)
-        keys = torch.where(ok[..., None], keys, torch.zeros((), device=keys.device))
-        scores = idx.scores(q[rows], w[rows], keys)
-        out[rows] = select_topk(scores, eligible[rows], idx.topk)
-    return out
+    return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
 
 
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
     caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto",
-    max_model_len: int | None = None,
 ) -> torch.Tensor:
-    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``.
-
-    ``max_model_len`` given: the static form (no host sync, every shape a function of T and
-    the capacities only, so a CUDA graph captured at any context replays at any other): the
-    compressors pool a window for every token and the indexer scores ``max_model_len // 4``
-    entry columns. The two forms agree up to fp32 reduction order.
-    """
+    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
     cos, sin = layer.rotary(pos)
@@ -186,18 +129,16 @@ def layer_step(
                          starts=sw.starts, layout=caches.layout if kcd == "fp8_ds_mla" else None)]
     if layer.compressor is not None:
         cm = step.compressed[layer.ratio]
-        static = max_model_len is not None
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl, static)
+                                        cm.slot_mapping, layer.rotary, impl)
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
         if layer.kind == "csa":
             ientries, islots = run_compressor(layer.indexer, hidden, pos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl, static)
+                                              cm.slot_mapping, layer.rotary, impl)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
-            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table,
-                                 max_model_len // layer.ratio if static else None)
+            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl)
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
             sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
         else:

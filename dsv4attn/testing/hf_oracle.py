@@ -78,7 +78,7 @@ def hf_forward(module: torch.nn.Module, hidden: torch.Tensor, chunk_sizes: Seque
     from transformers.masking_utils import create_sliding_window_causal_mask
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-    config = module.config
+    config: Any = module.config
     rotary = DeepseekV4RotaryEmbedding(config).to(hidden.device)
     T = hidden.shape[0]
     sizes = [T] if chunk_sizes is None else list(chunk_sizes)
@@ -91,7 +91,7 @@ def hf_forward(module: torch.nn.Module, hidden: torch.Tensor, chunk_sizes: Seque
         pos = torch.arange(start, start + n, device=hidden.device)[None]
         mask = create_sliding_window_causal_mask(
             config=config, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=pos,
-            layer_idx=module.layer_idx,
+            layer_idx=int(getattr(module, "layer_idx")),
         )
         emb = {
             "main": rotary(x, position_ids=pos, layer_type="main"),

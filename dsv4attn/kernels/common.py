@@ -1,0 +1,99 @@
+"""Shared Triton helpers (@triton.jit only): addressing of the candidate-set contract and the
+integer encoders of the page formats.
+
+- :func:`entry_slot` / :func:`block_slot`: the entry -> block table -> slot formula of
+  :mod:`dsv4attn.kv_cache.slots` with its one meaning of holes (slot -1; invalid lanes read
+  column 0 of their row and never form an address outside the table).
+- :func:`page_offset`: a slot's page offset and entry index in int64 (``block * stride``
+  passes 2^31 for ~57K blocks of a 37,440 B page).
+- :func:`round_to_bf16`, :func:`bf16_bits`, :func:`e4m3_encode`, :func:`pow2_exponent_for`,
+  :func:`pow2`: float8 e4m3fn and bf16 encoded with integer operations on the fp32 bits (exact
+  round-to-nearest-even, subnormals included), identical under the interpreter, on sm80 and sm90.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def block_slot(bt_ptr, req, col, off, valid, stride_bt_req, stride_bt_col, max_blocks, block_size):
+    """``block_table[req, col] * block_size + off`` (int64) and its validity: ``valid``, the column
+    inside ``[0, max_blocks)`` and a block id >= 0. Holes get slot -1."""
+    valid = valid & (col >= 0) & (col < max_blocks)
+    col = tl.where(valid, col, 0)
+    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col,
+                  mask=valid, other=-1)
+    valid = valid & (blk >= 0)
+    slot = blk.to(tl.int64) * block_size + off.to(tl.int64)
+    return tl.where(valid, slot, -1), valid
+
+
+@triton.jit
+def entry_slot(bt_ptr, req, e, valid, stride_bt_req, stride_bt_col, max_blocks, block_size):
+    """Global slot (int64, -1 for holes) of entry ``e`` of request ``req``, and its validity."""
+    valid = valid & (e >= 0)
+    ee = tl.where(valid, e, 0)
+    return block_slot(bt_ptr, req, ee // block_size, ee % block_size, valid, stride_bt_req, stride_bt_col,
+                      max_blocks, block_size)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> fp32 holding the nearest bf16 (RNE; finite inputs)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x):
+    """fp32 holding a bf16 value -> its 16 bits as int32 (0..65535)."""
+    return (x.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+
+
+@triton.jit
+def e4m3_encode(y):
+    """fp32 in [-448, 448] -> e4m3fn byte (int32 0..255), round-to-nearest-even."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    # Normal range (|y| >= 2^-6): RNE on the top 3 mantissa bits, re-bias exponent 127 -> 7.
+    norm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range: k = RNE(|y| * 2^9), k in 0..8 (8 encodes 2^-6, the smallest normal).
+    e = a >> 23
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(141 - e, 30)
+    s = tl.maximum(s, 1)
+    q = m >> s
+    rem = m & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    k = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    return tl.where(a >= 0x3C800000, norm, k) | sign
+
+
+@triton.jit
+def pow2_exponent_for(amax):
+    """ceil(log2(amax / 448)) for finite amax >= 1e-4, exactly, from the fp32 bits.
+
+    amax = m * 2^E with m in [1, 2): amax / 448 = (m / 1.75) * 2^(E-8), so the result is E-8,
+    plus 1 when m > 1.75 (mantissa bits > 0x600000).
+    """
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - 8
+    return e + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def page_offset(slot, block_size, stride_block):
+    """(offset of the slot's page from the cache base, entry index in the block), in int64:
+    ``(slot // block_size) * stride_block`` passes 2^31 for ~57K blocks of a 37,440 B page."""
+    slot = slot.to(tl.int64)
+    return (slot // block_size) * stride_block, slot % block_size

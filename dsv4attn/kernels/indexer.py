@@ -1,0 +1,166 @@
+"""Triton lightning indexer: score a token's own indexer keys and keep its top-k, in one pass.
+
+One program per query token (or per token and split, below). It streams the token's candidate
+entries ``0 .. lengths[t]-1`` (read through its request's block-table row) in chunks of ``K_P2``
+(= top-k rounded up to a power of two, >= 16) and keeps a running best-``K_P2`` list in
+registers, so the work is ``O(lengths[t])`` per token and the only temporary is an int64
+``[T, num_splits, K_P2]`` scratch: no
+``[T, max_entries]`` score matrix, no host-known maximum length, nothing sized by
+``max_model_len`` (graph-capturable as is).
+
+Scoring a chunk: ``BLOCK_N`` keys at a time are gathered (fp8 bytes decoded with integer bit
+operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 rows), one
+``tl.dot`` of ``q [H_P2, D_P2]`` by the keys gives every head's logits, then
+``sum_h w[h] * ReLU(logit)``.
+
+Selection (why this design): each score becomes one int64 *key* that orders exactly like the
+rule "higher score first, equal scores -> lower index": the score's fp32 bits mapped to an
+order-preserving signed int (``b >= 0 ? b : b ^ 0x7FFFFFFF``; ``-0.0`` canonicalised to
+``+0.0`` first) in the high 32 bits, ``0xFFFFFFFF - index`` in the low 32 bits; non-candidates
+get ``INT64_MIN``. Keys are unique, so plain integer max/sort is the deterministic top-k and
+no tie handling remains. A chunk's keys are written to the scratch row (the dot produces them
+``BLOCK_N`` at a time; a ``K_P2``-wide dot would not fit in registers), read back as one
+``[K_P2]`` tensor, sorted ascending and merged with the descending best list by the bitonic
+half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union),
+then re-sorted descending. The first chunk is just sorted; later chunks whose best key does
+not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
+score workspace this needs no workspace sized by the context and one pass over the keys; the
+price is two bitonic sorts of ``K_P2`` int64 per chunk (``~K log^2 K`` compares, small next to
+the chunk's ``K * H * D`` MACs).
+
+Few tokens with long rows (small-batch decode) would leave most SMs idle, so a row can be
+split over ``num_splits`` programs (interleaved chunks); each leaves its best list in its
+scratch row and :func:`_indexer_topk_merge_kernel` combines the lists with the same
+half-cleaner. Keys are unique, so the result does not depend on the split count.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Sentinel key of a non-candidate (below every real key).
+INT64_MIN = tl.constexpr(-9223372036854775808)
+
+
+@triton.jit
+def _decode_e4m3(x):
+    """e4m3fn bytes (any int dtype, 0..255) -> fp32 values exactly (subnormals included)."""
+    x = x.to(tl.uint32)
+    f = (((x & 0x80) << 24) | ((x & 0x7F) << 20)).to(tl.float32, bitcast=True)
+    return f * 1.329227995784916e36  # 2^120: the e4m3 exponent bias 7 -> fp32 bias 127
+
+
+@triton.jit
+def _score_keys(s, e, valid):
+    """fp32 scores ``s`` and entry indices ``e`` (``[n]``) -> int64 sort keys (see module doc)."""
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0
+    b = s.to(tl.int32, bitcast=True)
+    o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    key = (o.to(tl.int64) << 32) | (4294967295 - e.to(tl.int64))
+    return tl.where(valid, key, INT64_MIN)
+
+
+@triton.jit
+def _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2: tl.constexpr):
+    """Descending keys ``best [K_P2]`` -> the first ``topk`` entry indices (-1) and scores (-inf)."""
+    j = tl.arange(0, K_P2)
+    ok = best != INT64_MIN
+    index = tl.where(ok, (4294967295 - (best & 4294967295)).to(tl.int32), -1)
+    o = (best >> 32).to(tl.int32)
+    bits = tl.where(o >= 0, o, o ^ 0x7FFFFFFF)
+    val = tl.where(ok, bits.to(tl.float32, bitcast=True), float("-inf"))
+    tl.store(idx_ptr + t64 * stride_idx_t + j, index, mask=j < topk)
+    tl.store(val_ptr + t64 * stride_val_t + j, val, mask=j < topk)
+
+
+@triton.jit
+def _indexer_topk_kernel(
+    q_ptr, w_ptr, cache_ptr, bt_ptr, t2r_ptr, len_ptr, scratch_ptr, idx_ptr, val_ptr,
+    stride_q_t, stride_q_h, stride_w_t, stride_cache_block, stride_cache_entry, stride_bt,
+    stride_idx_t, stride_val_t,
+    num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
+    HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
+    int64 ``[T, num_splits, K_P2]``. Split s takes chunks ``s, s + num_splits, ...`` of the
+    token's entries. Without SPLIT (num_splits == 1) it writes ``idx [T, topk]`` int32 and
+    ``val [T, topk]`` fp32; with SPLIT it leaves its best list in its scratch row, ascending,
+    for :func:`_indexer_topk_merge_kernel`."""
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    req = tl.load(t2r_ptr + t).to(tl.int64)
+    req_ok = (req >= 0) & (req < num_reqs)
+    n = tl.where(req_ok, tl.minimum(tl.load(len_ptr + t), max_blocks * block_size), 0)
+    req = tl.where(req_ok, req, 0)
+    hh = tl.arange(0, H_P2)
+    dd = tl.arange(0, D_P2)
+    hm = hh < num_heads
+    dm = dd < HEAD_DIM
+    q = tl.load(q_ptr + t64 * stride_q_t + hh[:, None] * stride_q_h + dd[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    w = tl.load(w_ptr + t64 * stride_w_t + hh, mask=hm, other=0.0)
+    scratch = scratch_ptr + (t64 * num_splits + split) * K_P2
+    first = split * K_P2
+    best = tl.full([K_P2], INT64_MIN, tl.int64)  # sorted descending
+    for c0 in range(first, n, num_splits * K_P2):
+        for s0 in range(0, K_P2, BLOCK_N):
+            e = c0 + s0 + tl.arange(0, BLOCK_N)
+            valid = e < n
+            col = tl.where(valid, e // block_size, 0)
+            blk = tl.load(bt_ptr + req * stride_bt + col, mask=valid, other=-1)
+            valid = valid & (blk >= 0) & (blk < num_blocks)
+            page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
+            off = tl.where(valid, e % block_size, 0).to(tl.int64)
+            kmask = valid[:, None] & dm[None, :]
+            if IS_FP8:
+                x = tl.load(cache_ptr + page[:, None] + off[:, None] * HEAD_DIM + dd[None, :], mask=kmask, other=0)
+                k = _decode_e4m3(x)
+                sptr = (cache_ptr + page + block_size * HEAD_DIM + off * 4).to(tl.pointer_type(tl.float32))
+                scale = tl.load(sptr, mask=valid, other=0.0)
+            else:
+                k = tl.load(cache_ptr + page[:, None] + off[:, None] * stride_cache_entry + dd[None, :],
+                            mask=kmask, other=0.0)
+            if DOT_BF16:
+                logits = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # exact bf16 products, fp32 sums
+            else:
+                logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if IS_FP8:
+                logits = logits * scale[None, :]  # power of two > 0: exact, commutes with ReLU
+            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)  # [BLOCK_N]
+            tl.store(scratch + s0 + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))
+        tl.debug_barrier()
+        cand = tl.load(scratch + tl.arange(0, K_P2))
+        tl.debug_barrier()  # every lane has read the chunk before the next one is written
+        if c0 == first:
+            best = tl.sort(cand, descending=True)
+        elif tl.max(cand, axis=0) > tl.min(best, axis=0):
+            cand = tl.sort(cand)  # ascending: best (desc) vs cand (asc) is one bitonic sequence
+            best = tl.sort(tl.maximum(best, cand), descending=True)
+    if SPLIT:
+        tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
+    else:
+        _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)
+
+
+@triton.jit
+def _indexer_topk_merge_kernel(
+    scratch_ptr, idx_ptr, val_ptr, stride_idx_t, stride_val_t, topk, num_splits, K_P2: tl.constexpr,
+):
+    """Grid ``(T,)``: merge the ``num_splits`` ascending best lists of a token (scratch int64
+    ``[T, num_splits, K_P2]``) by the same bitonic half-cleaner, then write its top-k."""
+    t64 = tl.program_id(0).to(tl.int64)
+    base = scratch_ptr + t64 * num_splits * K_P2
+    j = tl.arange(0, K_P2)
+    best = tl.load(base + (K_P2 - 1) - j)  # split 0, descending
+    for s in range(1, num_splits):
+        cand = tl.load(base + s * K_P2 + j)  # ascending
+        if tl.max(cand, axis=0) > tl.min(best, axis=0):
+            best = tl.sort(tl.maximum(best, cand), descending=True)
+    _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)

@@ -1,0 +1,174 @@
+"""Public lightning-indexer op: validate -> allocate -> dispatch (Triton kernel or reference).
+
+:func:`indexer_topk` scores each query token against its own request's indexer keys, read from
+the paged indexer-K cache, and returns the deterministic top-k (equal scores -> lower entry
+index; -1 padding). Semantics: :mod:`dsv4attn.reference.indexer`; kernel design:
+:mod:`dsv4attn.kernels.indexer`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from dsv4attn._checks import check_tensor, same_device
+from dsv4attn.device import resolve_impl
+from dsv4attn.kernels.indexer import _indexer_topk_kernel, _indexer_topk_merge_kernel
+from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
+from dsv4attn.reference.indexer import indexer_topk_ref
+
+_Q_DTYPES = (torch.bfloat16, torch.float32)
+#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 64 on the bf16
+#: tensor cores; 32 for fp32 (FMA) dots, which spill at 64 (sm90 compile, H 64 x D 128, 8 warps).
+_BLOCK_N = {True: 64, False: 32}
+#: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
+MAX_TOPK = 2048
+#: Most programs one token row is split over (small-batch decode of long contexts).
+_MAX_SPLITS = 16
+
+
+def _p2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(1, n)))
+
+
+def check_indexer_cache(name: str, cache: torch.Tensor, head_dim: int) -> bool:
+    """Raise unless ``cache`` is an indexer-K cache for keys of ``head_dim``; return True for fp8.
+
+    fp8: uint8 ``(num_blocks, block_size, head_dim + 4)`` view, contiguous entry bytes, block
+    stride >= the page bytes and 4-byte aligned (scales are read as fp32). "auto": bf16/fp32
+    ``(num_blocks, block_size, head_dim)`` with a contiguous last dim.
+    """
+    check_tensor(name, cache, dtype=(torch.uint8, torch.bfloat16, torch.float32), ndim=3)
+    nb, bs = cache.shape[0], cache.shape[1]
+    if nb < 1 or bs < 1:
+        raise ValueError(f"{name} must hold at least one entry, got shape {tuple(cache.shape)}")
+    if cache.dtype != torch.uint8:
+        if cache.shape[2] != head_dim or cache.stride(2) != 1:
+            raise ValueError(f"{name} must be (num_blocks, block_size, {head_dim}) with a contiguous last dim, "
+                             f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+        return False
+    entry = head_dim + INDEXER_SCALE_BYTES
+    if cache.shape[2] != entry or cache.stride(2) != 1 or (bs > 1 and cache.stride(1) != entry):
+        raise ValueError(f"{name} (fp8) must be (num_blocks, block_size, {entry}) uint8 with contiguous entries, "
+                         f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+    if nb > 1 and cache.stride(0) < bs * entry:
+        raise ValueError(f"{name} block stride {cache.stride(0)} < page bytes {bs * entry}")
+    if cache.data_ptr() % 4 or (nb > 1 and cache.stride(0) % 4):
+        raise ValueError(f"{name} pages must be 4-byte aligned (data_ptr and stride(0)): scales are fp32")
+    return True
+
+
+def check_paged_rows(block_table: torch.Tensor, token_to_req: torch.Tensor, lengths: torch.Tensor, num_tokens: int,
+                     num_blocks: int, block_size: int, device: torch.device, validate: bool) -> None:
+    """Check a range description (block_table int32 ``[R, max_blocks]`` with contiguous rows,
+    token_to_req / lengths int32 ``[T]``); with ``validate`` also the values (one host sync):
+    requests in ``[0, R)``, lengths in ``[0, max_blocks * block_size]``, block ids in
+    ``[-1, num_blocks)``."""
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    check_tensor("token_to_req", token_to_req, dtype=torch.int32, shape=(num_tokens,), device=device)
+    check_tensor("lengths", lengths, dtype=torch.int32, shape=(num_tokens,), device=device)
+    R, cols = block_table.shape
+    if cols > 0 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table rows must be contiguous, got strides {block_table.stride()}")
+    if num_tokens and R == 0:
+        raise ValueError("block_table has no rows but there are tokens")
+    if not validate or num_tokens == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(token_to_req))
+    if lo < 0 or hi >= R:
+        raise ValueError(f"token_to_req values must be in [0, {R}), got [{lo}, {hi}]")
+    lo, hi = (int(v) for v in torch.aminmax(lengths))
+    if lo < 0 or hi > cols * block_size:
+        raise ValueError(f"lengths must be in [0, {cols * block_size}] (block_table columns x block_size), "
+                         f"got [{lo}, {hi}]")
+    if block_table.numel():
+        lo, hi = (int(v) for v in torch.aminmax(block_table))
+        if lo < -1 or hi >= num_blocks:
+            raise ValueError(f"block_table ids must be in [-1, {num_blocks}), got [{lo}, {hi}]")
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    lengths: torch.Tensor,
+    topk: int,
+    *,
+    validate_indices: bool = True,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning-indexer top-k of every query token over its request's paged indexer keys.
+
+    q: ``[T, H, D]`` bf16/fp32 indexer queries (last dim contiguous). weights: ``[T, H]`` fp32
+    per-head weights carrying every scale (``s = sum_h w[h] * ReLU(q[h] . K)``). k_cache: fp8
+    pages uint8 ``(num_blocks, block_size, D + 4)`` (D e4m3fn bytes per entry, then one fp32
+    scale per entry at ``block_size*D + off*4``; padded block stride) or "auto" bf16/fp32 rows
+    ``(num_blocks, block_size, D)``. block_table: int32 ``[R, max_blocks]`` of the indexer-K
+    group. token_to_req, lengths: int32 ``[T]``; token t's candidates are entries
+    ``0 .. lengths[t]-1`` of request ``token_to_req[t]`` (a -1 block is a hole: skipped).
+    topk: 1 .. ``MAX_TOPK`` (2048).
+
+    Returns ``(indices int32 [T, topk], scores fp32 [T, topk])``: request-local entry indices,
+    best first, equal scores -> lower index, ``-1`` (score ``-inf``) past the token's
+    candidates. ``validate_indices=False`` skips the value checks (a host sync); bad values are
+    then masked in the kernel (never dereferenced), not reported. bf16 q is multiplied in bf16
+    (keys are exact in bf16), fp32 q in fp32.
+    """
+    check_tensor("q", q, dtype=_Q_DTYPES, ndim=3)
+    T, H, D = q.shape
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H))
+    device = same_device(q=q, weights=weights, k_cache=k_cache if isinstance(k_cache, torch.Tensor) else None)
+    is_fp8 = check_indexer_cache("k_cache", k_cache, D)
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk must be an int in [1, {MAX_TOPK}], got {topk!r}")
+    if H < 1 or D < 1:
+        raise ValueError(f"q must have at least one head and one dim, got shape {tuple(q.shape)}")
+    if q.stride(2) != 1 or weights.stride(1) != 1:
+        raise ValueError(f"q and weights must be contiguous in their last dim, got strides {q.stride()}, "
+                         f"{weights.stride()}")
+    check_paged_rows(block_table, token_to_req, lengths, T, k_cache.shape[0], k_cache.shape[1], device,
+                     validate_indices)
+    path = resolve_impl(impl, device)
+    if path == "reference":
+        return indexer_topk_ref(q, weights, k_cache, block_table, token_to_req, lengths, topk)
+    return _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8,
+                                _num_splits(T, device))
+
+
+def _num_splits(num_tokens: int, device: torch.device) -> int:
+    """Programs per token row: enough rows for about two programs per SM (CUDA), capped at
+    ``_MAX_SPLITS``; 1 on the interpreter. Chosen from the token count only (no host sync on
+    lengths): splits beyond a row's chunks return at once and merge as empty lists."""
+    if device.type != "cuda" or num_tokens == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(_MAX_SPLITS, triton.cdiv(2 * sms, num_tokens)))
+
+
+def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits):
+    """Launch the Triton path on validated input with ``num_splits`` programs per token."""
+    T, H, D = q.shape
+    device = q.device
+    idx = torch.empty((T, topk), dtype=torch.int32, device=device)
+    val = torch.empty((T, topk), dtype=torch.float32, device=device)
+    if T == 0:
+        return idx, val
+    k_p2 = _p2(topk)
+    scratch = torch.empty((T, num_splits, k_p2), dtype=torch.int64, device=device)
+    interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
+    dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
+    h_p2, d_p2 = _p2(H), _p2(D)
+    _indexer_topk_kernel[(T, num_splits)](
+        q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        idx.stride(0), val.stride(0),
+        H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
+        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
+        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
+    )
+    if num_splits > 1:
+        _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
+                                         K_P2=k_p2, num_warps=4)
+    return idx, val
