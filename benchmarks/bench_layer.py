@@ -89,7 +89,8 @@ def main() -> None:
         hs = cfg.hidden_size
         for batch, ctx in decode_cases:
             max_len = ctx + 64 + 4 * args.reps
-            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=batch * (-(-max_len // 256)) + 4, device=dev,
+            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=None if kind == "sliding" else
+                                     batch * (-(-max_len // 256)) + 4, device=dev,
                                      max_num_batched_tokens=max(8192, batch), max_model_len=max_len,
                                      max_num_reqs=batch)
             chunk = 8192 // batch if ctx * batch > 8192 else ctx
@@ -105,7 +106,8 @@ def main() -> None:
                             extra={"tok/s": f"{batch / (us * 1e-6):.0f}"}))
             runner = None  # free the caches before the next case
         for c in prefill_cases:
-            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=-(-c // 256) + 4, device=dev,
+            runner = AttentionRunner(layer, "fp8_ds_mla", num_blocks=None if kind == "sliding" else -(-c // 256) + 4,
+                                     device=dev,
                                      max_num_batched_tokens=c, max_model_len=c)
             x = torch.randn(c, hs, device=dev, dtype=torch.bfloat16)
             ids = iter(range(10**9))

@@ -100,7 +100,7 @@ def test_odd_configs_match_transformers_dense_and_paged(overrides):
     """fp32 parity (dsv4attn.testing.tolerance): dense path to 1e-5 of the output scale, paged
     runner over "auto" pages (two steps: a prefill chunk, then decodes) to 1e-4."""
     from dsv4attn.layers.attention import DeepseekV4Attention
-    from dsv4attn.layers.runner import AttentionRunner
+    from dsv4attn.serving.runner import AttentionRunner
     from dsv4attn.testing import assert_close_rel
 
     hf = hf_oracle.small_hf_config(compress_rates=PAGED_RATES, **overrides)
@@ -123,7 +123,7 @@ def test_limits_of_the_paged_path_are_named_up_front():
     layer serves any ratio transformers accepts)."""
     from dsv4attn.kv_cache.specs import CacheConfig
     from dsv4attn.layers.attention import DeepseekV4Attention
-    from dsv4attn.layers.runner import AttentionRunner
+    from dsv4attn.serving.runner import AttentionRunner
 
     hf = hf_oracle.small_hf_config(head_dim=72, qk_rope_head_dim=16, compress_rates=PAGED_RATES)
     layer = DeepseekV4Attention(AttentionConfig.from_hf(hf), 0)

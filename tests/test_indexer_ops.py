@@ -284,7 +284,7 @@ def test_layer_step_triton_matches_reference():
     pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     from dsv4attn.config import AttentionConfig
     from dsv4attn.layers.attention import DeepseekV4Attention
-    from dsv4attn.layers.runner import AttentionRunner
+    from dsv4attn.serving.runner import AttentionRunner
 
     hf = hf_oracle.small_hf_config(compress_rates={"compressed_sparse_attention": 4,
                                                    "heavily_compressed_attention": 128})

@@ -42,8 +42,8 @@ from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError
 from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups, layer_cache_specs
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.paged import LayerCaches
-from dsv4attn.layers.runner import KV_CACHE_DTYPES, PAGED_RATIOS
+from dsv4attn.serving.paged import LayerCaches
+from dsv4attn.serving.runner import KV_CACHE_DTYPES, PAGED_RATIOS
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 
 #: Default tokens per grow/advance of :meth:`DCPAttentionRunner.reserve`.

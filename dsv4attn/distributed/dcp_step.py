@@ -23,7 +23,7 @@ from dsv4attn._checks import check_tensor
 from dsv4attn.distributed.interleave import global_to_local, local_to_global, merge_scale, num_local, owner
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.indexer import select_topk
-from dsv4attn.layers.paged import LayerCaches, run_compressor, state_slots
+from dsv4attn.serving.paged import LayerCaches, run_compressor, state_slots
 from dsv4attn.ops import metadata as meta_ops
 from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv
 from dsv4attn.ops.candidate_set import CandidateSet

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dsv4attn.distributed.dcp import DCPAttentionRunner
 from dsv4attn.distributed.tp import shard_attention
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dsv4attn.config import AttentionConfig
 from dsv4attn.distributed.dcp import RESERVE_CHUNK, DCPAttentionRunner
 from dsv4attn.distributed.launch import ParallelContext, make_runner
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 KINDS = {"sliding": 0, "csa": 1, "hca": 2}
 #: Request lengths per kind (HCA needs > 128 tokens per compressed entry).

@@ -31,7 +31,7 @@ from torch import nn
 
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.rope import apply_rope
-from dsv4attn.layers.runner import AttentionRunner
+from dsv4attn.serving.runner import AttentionRunner
 
 
 def tp_head_range(num_heads: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -145,9 +145,9 @@ def plan_num_blocks(
 
     Sliding groups get :func:`sliding_pool_blocks` (bounded by their window, never short). The
     full group gets ``num_blocks`` if given, else what ``memory_bytes`` leaves after the
-    sliding groups, else room for ``max_num_reqs`` requests of ``max_model_len`` tokens. A
-    model of sliding layers only has no context-sized group: both are then not needed (and
-    ignored). Raises ``ValueError`` when ``memory_bytes`` is too small.
+    sliding groups, else room for ``max_num_reqs`` requests of ``max_model_len`` tokens. In a
+    model of sliding layers only the SWA group takes that role (default: its window bound).
+    Raises ``ValueError`` when ``memory_bytes`` is too small.
     ``rollback_tokens``: the engine's ``num_speculative_tokens`` (see :func:`sliding_pool_blocks`).
     """
     for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -160,11 +160,9 @@ def plan_num_blocks(
     out: dict[str, int] = {}
     fixed = 0
     for g in cache_groups(cfg):
-        if g.kind == "sliding":
+        if g.kind == "sliding" and g.name != main.name:
             out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens, rollback_tokens)
             fixed += out[g.name] * g.page_bytes_per_block
-    if main.kind == "sliding":  # no context-sized group: the window bounds everything
-        return out
     if num_blocks is not None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -177,6 +175,8 @@ def plan_num_blocks(
             raise ValueError(f"memory_bytes={memory_bytes} leaves no {main.name!r} block: the window-bounded "
                              f"groups alone take {fixed} B for max_num_reqs={max_num_reqs}; raise memory_bytes "
                              "or lower max_num_reqs / max_num_batched_tokens")
+    elif main.kind == "sliding":  # sliding layers only: the window bounds everything
+        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens, rollback_tokens)
     else:
         n = max_num_reqs * cdiv(max_model_len, main.tokens_per_block)
     out[main.name] = n

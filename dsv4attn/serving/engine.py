@@ -102,9 +102,9 @@ class PagedAttentionEngine:
         kv_cache_dtype: "auto" (cache rows in the layer dtype) or "fp8_ds_mla".
         num_blocks: blocks of the context-sized group (``full_mla``: 256-token columns of the
             compressed caches); the window-bounded groups are sized from ``max_num_reqs`` /
-            ``max_num_batched_tokens`` and never run short (a model of sliding layers only has
-            nothing else, and ignores num_blocks / memory_bytes). ``memory_bytes``: a cache
-            budget instead (what the window groups leave goes to the full group).
+            ``max_num_batched_tokens`` and never run short (in a model of sliding layers only,
+            num_blocks sizes the SWA group instead). ``memory_bytes``: a cache budget instead
+            (what the window groups leave goes to the full group).
             Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
         max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
         max_model_len: per-request limit. impl: kernel path of every op.

@@ -28,8 +28,8 @@ class AttentionRunner:
         layer: a ``DeepseekV4Attention`` (its parameter dtype is the compute dtype).
         kv_cache_dtype: "auto" (cache rows in the layer's dtype) or "fp8_ds_mla".
         num_blocks: blocks of the context-sized cache group (256-token columns of the compressed
-            caches; ignored by a sliding layer); window-bounded groups are sized by the engine
-            (see :class:`PagedAttentionEngine`).
+            caches; the SWA group of a sliding layer); ``None``: sized by the engine's defaults.
+            Window-bounded groups are sized by the engine (see :class:`PagedAttentionEngine`).
         device: where caches and compute live (default: the layer's device).
         max_num_batched_tokens / max_num_reqs: per-step / live-request limits; max_model_len:
             per-request limit. impl: kernel path of every op ("auto" | "triton" | "reference").
@@ -39,7 +39,7 @@ class AttentionRunner:
         self,
         layer: DeepseekV4Attention,
         kv_cache_dtype: str = "auto",
-        num_blocks: int = 256,
+        num_blocks: int | None = 256,
         device: torch.device | str | None = None,
         max_num_batched_tokens: int = 8192,
         max_model_len: int = 65536,
