@@ -190,7 +190,7 @@ class PagedAttentionEngine:
     def _alloc_caches(self, i: int) -> LayerCaches:
         layer, cfg, dev, kcd = self.layers[i], self.layers[i].config, self.device, self.kv_cache_dtype
         specs = {s.name: s for s in layer_cache_specs(self.cache_config, i)}
-        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim)
+        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim) if kcd == "fp8_ds_mla" else None
 
         def kv_cache(n: int, block_size: int) -> torch.Tensor:
             if kcd == "fp8_ds_mla":
