@@ -117,14 +117,17 @@ def footprint_table(cfg: CacheConfig, contexts: tuple[int, ...] = (4096, 65536, 
 
 
 # ---- sizing: memory by need ---------------------------------------------------------------
-def sliding_pool_blocks(group: GroupSpec, max_num_reqs: int, max_num_batched_tokens: int) -> int:
+def sliding_pool_blocks(group: GroupSpec, max_num_reqs: int, max_num_batched_tokens: int,
+                        rollback_tokens: int = 0) -> int:
     """Blocks a sliding group's own pool needs so it can never run short: every live request
     holds at most ``cdiv(W - 1 + c, bs) + 1`` blocks while ``c`` of its tokens are in flight
     (``sliding_blocks_bound``), and the in-flight tokens of a step sum to at most
-    ``max_num_batched_tokens``: ``R * (cdiv(W - 1, bs) + 2) + cdiv(T, bs)``."""
+    ``max_num_batched_tokens``: ``R * (cdiv(W - 1, bs) + 2) + cdiv(T, bs)``. With
+    ``rollback_tokens = k`` (speculative decoding) a request also keeps the columns of its last
+    ``k`` computed tokens' windows: ``W - 1`` becomes ``W - 1 + k``."""
     assert group.kind == "sliding" and group.window is not None
     bs = group.tokens_per_block
-    return max_num_reqs * (cdiv(group.window - 1, bs) + 2) + cdiv(max_num_batched_tokens, bs)
+    return max_num_reqs * (cdiv(group.window - 1 + rollback_tokens, bs) + 2) + cdiv(max_num_batched_tokens, bs)
 
 
 def main_group(cfg: CacheConfig) -> GroupSpec:
@@ -136,7 +139,7 @@ def main_group(cfg: CacheConfig) -> GroupSpec:
 
 def plan_num_blocks(
     cfg: CacheConfig, *, max_num_reqs: int, max_num_batched_tokens: int, max_model_len: int,
-    num_blocks: int | None = None, memory_bytes: int | None = None,
+    num_blocks: int | None = None, memory_bytes: int | None = None, rollback_tokens: int = 0,
 ) -> dict[str, int]:
     """Blocks of every group's own pool (group name -> count), by each group's geometry.
 
@@ -145,6 +148,7 @@ def plan_num_blocks(
     sliding groups, else room for ``max_num_reqs`` requests of ``max_model_len`` tokens. In a
     model of sliding layers only the SWA group takes that role (default: its window bound).
     Raises ``ValueError`` when ``memory_bytes`` is too small.
+    ``rollback_tokens``: the engine's ``num_speculative_tokens`` (see :func:`sliding_pool_blocks`).
     """
     for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_model_len", max_model_len)):
@@ -157,7 +161,7 @@ def plan_num_blocks(
     fixed = 0
     for g in cache_groups(cfg):
         if g.kind == "sliding" and g.name != main.name:
-            out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens)
+            out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens, rollback_tokens)
             fixed += out[g.name] * g.page_bytes_per_block
     if num_blocks is not None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -172,7 +176,7 @@ def plan_num_blocks(
                              f"groups alone take {fixed} B for max_num_reqs={max_num_reqs}; raise memory_bytes "
                              "or lower max_num_reqs / max_num_batched_tokens")
     elif main.kind == "sliding":  # sliding layers only: the window bounds everything
-        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens)
+        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens, rollback_tokens)
     else:
         n = max_num_reqs * cdiv(max_model_len, main.tokens_per_block)
     out[main.name] = n

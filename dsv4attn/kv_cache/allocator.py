@@ -16,6 +16,13 @@ the full group by the context; see :mod:`dsv4attn.kv_cache.accounting` for the s
   ``>= num_computed - W + 1``, so columns entirely below that are returned to the pool. Freed
   columns keep their place and hold :data:`NULL_BLOCK` (-1), so column indices never shift.
 
+Speculative decoding (``rollback_tokens = k > 0``): tokens may be taken back after they were
+computed (:meth:`KVCacheManager.rollback`), so sliding groups keep every column a token at the
+request's *rollback floor* could read, not only what the next token reads. The floor is the
+highest ``num_computed - k`` seen (never lowered) or a later :meth:`KVCacheManager.commit`
+point; a request can roll back to any length ``>= floor``. With ``k = 0`` the floor is
+``num_computed`` and nothing changes.
+
 Every mutating call either succeeds completely or raises and changes nothing
 (:class:`PoolExhaustedError` when a pool is short; the check covers all groups at once). Pools
 refuse negative counts, ids they did not hand out and a second give-back of the same id.
@@ -94,10 +101,13 @@ class KVCacheManager:
     ``groups``: the allocation groups (e.g. ``cache_groups(cfg)``); ``num_blocks``: an int (one
     pool shared by all groups) or ``{group name: blocks}`` (one pool per group, every group
     named). Requests are keyed by any hashable id except ``None``. State per request and group:
-    a list of block ids (``NULL_BLOCK`` where freed), tokens allocated for, tokens computed.
+    a list of block ids (``NULL_BLOCK`` where freed), tokens allocated for, tokens computed, and
+    the rollback floor. ``rollback_tokens``: how many computed tokens a request may take back
+    since its last commit (speculative decoding; see the module docstring).
     """
 
-    def __init__(self, groups: Sequence[GroupSpec], num_blocks: int | Mapping[str, int]) -> None:
+    def __init__(self, groups: Sequence[GroupSpec], num_blocks: int | Mapping[str, int],
+                 rollback_tokens: int = 0) -> None:
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ValueError(f"group names must be unique, got {names}")
@@ -117,6 +127,8 @@ class KVCacheManager:
         self._num_tokens: dict[Hashable, int] = {}
         self._num_computed: dict[Hashable, int] = {}
         self._reclaimed: dict[Hashable, dict[str, int]] = {}  # columns below are already NULL_BLOCK
+        self.rollback_tokens = _count("rollback_tokens", rollback_tokens)
+        self._floor: dict[Hashable, int] = {}  # lowest length a rollback may reach (sliding reclaim follows it)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -159,7 +171,7 @@ class KVCacheManager:
         out = {}
         for g in self.groups:
             cur = len(have[g.name]) if have is not None else 0
-            lo = self._first_live_col(g, self._num_computed.get(req_id, 0)) if have is not None else 0
+            lo = self._first_live_col(g, self._floor.get(req_id, 0)) if have is not None else 0
             out[g.name] = max(0, cdiv(num_tokens, g.tokens_per_block) - max(cur, lo))
         return out
 
@@ -194,6 +206,7 @@ class KVCacheManager:
         self._reclaimed[req_id] = {g.name: 0 for g in self.groups}
         self._num_tokens[req_id] = 0
         self._num_computed[req_id] = 0
+        self._floor[req_id] = 0
         self.grow(req_id, num_tokens)
 
     def grow(self, req_id: Hashable, num_tokens: int) -> None:
@@ -211,7 +224,7 @@ class KVCacheManager:
             ids = iter(self.pools[g.name].take(need[g.name]))
             table = tables[g.name]
             want = cdiv(num_tokens, g.tokens_per_block)
-            lo = self._first_live_col(g, self._num_computed[req_id])
+            lo = self._first_live_col(g, self._floor[req_id])
             while len(table) < want:
                 table.append(next(ids) if len(table) >= lo else NULL_BLOCK)
             assert next(ids, None) is None
@@ -248,11 +261,44 @@ class KVCacheManager:
                 f"for {req_id!r}, got {num_computed}"
             )
         self._num_computed[req_id] = num_computed
+        self._floor[req_id] = max(self._floor[req_id], num_computed - self.rollback_tokens)
+        return self._reclaim(req_id)
+
+    def rollback_floor(self, req_id: Hashable) -> int:
+        """Lowest length :meth:`rollback` may take ``req_id`` back to."""
+        return self._floor[self._check(req_id)]
+
+    def rollback(self, req_id: Hashable, num_tokens: int) -> int:
+        """Take computed tokens back: the request continues from length ``num_tokens`` (in
+        ``[rollback_floor, num_computed]``) exactly as if the later tokens had never been
+        appended. Columns past ``cdiv(num_tokens, tokens_per_block)`` go back to the pools
+        (cost: the columns undone). Returns the number of blocks given back."""
+        self._check(req_id)
+        _count("num_tokens", num_tokens)
+        if not self._floor[req_id] <= num_tokens <= self._num_computed[req_id]:
+            raise ValueError(f"num_tokens must be in [{self._floor[req_id]}, {self._num_computed[req_id]}] for "
+                             f"{req_id!r} (rollback floor, computed), got {num_tokens}")
+        self._num_computed[req_id] = num_tokens
+        return self.truncate(req_id, num_tokens)
+
+    def commit(self, req_id: Hashable, num_tokens: int | None = None) -> int:
+        """Accept the first ``num_tokens`` (default: all computed) tokens: the rollback floor
+        rises to it and sliding groups return what only a rollback could have read. Returns
+        the number of blocks freed."""
+        self._check(req_id)
+        n = self._num_computed[req_id] if num_tokens is None else _count("num_tokens", num_tokens)
+        if n > self._num_computed[req_id]:
+            raise ValueError(f"num_tokens must be <= computed {self._num_computed[req_id]} for {req_id!r}, got {n}")
+        self._floor[req_id] = max(self._floor[req_id], n)
+        return self._reclaim(req_id)
+
+    def _reclaim(self, req_id: Hashable) -> int:
+        """Give back the sliding columns no token at or after the rollback floor can read."""
         freed = 0
         for g in self.groups:
             table = self._tables[req_id][g.name]
             ids = []
-            hi = min(self._first_live_col(g, num_computed), len(table))
+            hi = min(self._first_live_col(g, self._floor[req_id]), len(table))
             for c in range(self._reclaimed[req_id][g.name], hi):
                 if table[c] != NULL_BLOCK:
                     ids.append(table[c])
@@ -265,7 +311,7 @@ class KVCacheManager:
     def free(self, req_id: Hashable) -> int:
         """Forget ``req_id`` and return all its blocks to the pools; returns how many."""
         tables = self._tables.pop(self._check(req_id))
-        del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id]
+        del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id], self._floor[req_id]
         n = 0
         for name, t in tables.items():
             ids = [b for b in t if b != NULL_BLOCK]

@@ -7,20 +7,29 @@
 - :func:`layer_step` / :class:`LayerCaches` (``paged``): one layer's batched step over its caches.
 - :class:`PagedDeepseekV4` (``model``): a transformers ``DeepseekV4ForCausalLM`` with every
   attention module on the engine; greedy ``generate`` with continuous batching.
+- Speculative decoding: :class:`Drafter` / :class:`NgramDrafter` (``drafter``), the
+  draft-and-verify batcher :class:`SpeculativeBatcher` and its :class:`SpecStats` (``spec``);
+  ``generate(..., num_speculative_tokens=k)`` uses them; ``engine.rollback`` / ``commit``.
 - ``cli`` / ``layer_demo`` / ``metadata_demo``: the jobs behind ``python -m dsv4attn`` (``generate``,
   ``layer-demo``, ``metadata-demo``); ``scheduler``, ``graphs``, ``tiny``: see their docstrings.
 """
 
+from dsv4attn.serving.drafter import Drafter, NgramDrafter
 from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
 from dsv4attn.serving.paged import LayerCaches, layer_step
 from dsv4attn.serving.runner import AttentionRunner
+from dsv4attn.serving.spec import SpecStats, SpeculativeBatcher
 
 __all__ = [
     "AttentionRunner",
+    "Drafter",
     "LayerCaches",
+    "NgramDrafter",
     "PagedAttentionEngine",
     "PagedDeepseekV4",
+    "SpecStats",
+    "SpeculativeBatcher",
     "StepPlan",
     "layer_step",
     "reference_generate",

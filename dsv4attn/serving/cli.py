@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-budget", type=int, default=256, help="tokens per step (default 256)")
     g.add_argument("--chunk-size", type=int, default=None, help="largest prompt chunk per step")
     g.add_argument("--max-num-reqs", type=int, default=16, help="requests served at once")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: verify up to K prompt-lookup drafts per request and step (0..7; "
+                        "same greedy output; prints the acceptance rate)")
     g.add_argument("--check", action="store_true", help="compare with transformers; exit 1 on mismatch")
     g.add_argument("--json", action="store_true", help="last stdout line: JSON list of generated token lists")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -209,7 +212,8 @@ def _generate(args, ctx) -> int:
     n_new = args.max_new_tokens
     max_len = args.max_model_len or max(len(p) for p in prompts) + n_new
     pm = paged_model(model, ctx, kv_cache_dtype=kv, max_model_len=max_len, device=device,
-                     max_num_batched_tokens=args.token_budget, max_num_reqs=args.max_num_reqs)
+                     max_num_batched_tokens=args.token_budget, max_num_reqs=args.max_num_reqs,
+                     num_speculative_tokens=args.num_speculative_tokens)
     par = f", {ctx.world_size} processes (tp {ctx.config.tp} x dcp {ctx.config.dcp})" if ctx.world_size > 1 else ""
     print(f"model: {name}, {len(pm.layers)} layers {[layer.kind for layer in pm.layers]}, {dtype}, "
           f"kv cache {kv}, device {device}{par}")
@@ -218,13 +222,18 @@ def _generate(args, ctx) -> int:
     total = sum(len(p) for p in prompts) + len(prompts) * max(n_new - 1, 0)
     bar = _progress(total, not args.no_progress and lead, "generate")
     t0 = time.perf_counter()
-    outs = pm.generate(prompts, n_new, chunk_size=args.chunk_size, progress=bar.update)
+    k = args.num_speculative_tokens
+    outs = pm.generate(prompts, n_new, chunk_size=args.chunk_size, progress=bar.update, num_speculative_tokens=k,
+                       return_stats=k > 0)
+    outs, spec_stats = outs if k > 0 else (outs, None)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     bar.close()
     gen = sum(len(o) for o in outs)
     print(f"generated {gen} tokens in {dt:.2f} s: {gen / dt:.1f} new tokens/s, {total / dt:.1f} tokens/s processed")
+    if spec_stats is not None:
+        print(spec_stats.summary())
     ok = True
     if args.check:
         refs = None

@@ -16,6 +16,11 @@ block, and undoes its allocation if building the metadata fails, so a refused st
 nothing. Between ``begin_step`` and ``end_step`` the caller runs every layer once, in any order
 (layers do not read each other's caches). ``abort_step`` gives the step's blocks back instead.
 
+Speculative decoding (``num_speculative_tokens = k``): a request with up to ``1 + k`` new tokens
+is a decode (the metadata's ``decode_threshold``); after verification ``rollback(request, r)``
+takes its last ``r`` tokens back exactly (see :mod:`dsv4attn.serving.spec`) and ``commit``
+marks the rest accepted.
+
 The single-layer :class:`dsv4attn.serving.runner.AttentionRunner` and the model wrapper
 :class:`dsv4attn.serving.model.PagedDeepseekV4` are both thin clients of this class.
 """
@@ -48,6 +53,8 @@ from dsv4attn.serving.paged import LayerCaches, layer_step
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 #: Ratios the paged caches and metadata support (vLLM accepts only these).
 PAGED_RATIOS = (1, 4, 128)
+#: Most draft tokens verified per request and step (DeepSeek-V4 MTP uses 1-4; next_n up to 8).
+MAX_SPECULATIVE_TOKENS = 7
 _STATE_GROUP = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
 
 
@@ -101,6 +108,9 @@ class PagedAttentionEngine:
             Neither: room for ``max_num_reqs`` requests of ``max_model_len`` tokens.
         max_num_batched_tokens / max_num_reqs (live requests): per-step / engine limits;
         max_model_len: per-request limit. impl: kernel path of every op.
+        num_speculative_tokens: k (0..7): steps of up to 1 + k tokens per request go down the
+            decode path, and a request can roll back up to k computed tokens since its last
+            commit (sliding-window blocks are kept that much longer; pools sized for it).
     """
 
     def __init__(
@@ -114,6 +124,7 @@ class PagedAttentionEngine:
         max_model_len: int = 65536,
         max_num_reqs: int = 256,
         impl: str = "auto",
+        num_speculative_tokens: int = 0,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -130,6 +141,10 @@ class PagedAttentionEngine:
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
                         ("max_num_reqs", max_num_reqs)):
             _positive(name, v)
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        self.num_speculative_tokens = k
         cfg = layers[0].config
         pdev = layers[0].sinks.device
         dev = torch.device(device) if device is not None else pdev
@@ -154,9 +169,9 @@ class PagedAttentionEngine:
         )
         self.num_blocks = plan_num_blocks(
             self.cache_config, max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes)
+            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes, rollback_tokens=k)
         self.main_group = main_group(self.cache_config).name
-        self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks)
+        self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks, rollback_tokens=k)
         self.caches = [self._alloc_caches(i) for i in range(len(layers))]
         ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
         swa_bs = self.cache_config.swa_block_size
@@ -167,6 +182,7 @@ class PagedAttentionEngine:
             index_topk=cfg.index_topk, form="range",
         ), dev)
         self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
+        self.spec_graphs: dict = {}  # query_len q in 2..1+k -> DecodeGraphs of uniform verify steps
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
@@ -240,6 +256,49 @@ class PagedAttentionEngine:
     def in_step(self) -> bool:
         return self._plan is not None
 
+    # ---- speculative decoding ----------------------------------------------------------------
+    @property
+    def decode_threshold(self) -> int:
+        """Requests with at most this many new tokens are decodes: ``1 + num_speculative_tokens``."""
+        return 1 + self.num_speculative_tokens
+
+    def rollback_limit(self, request_id: Hashable) -> int:
+        """Tokens ``rollback`` may take back from ``request_id`` now: those computed since its
+        last accepted point (a ``commit``, or the newest ``num_speculative_tokens`` tokens)."""
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        return self.manager.num_computed(request_id) - self.manager.rollback_floor(request_id)
+
+    def rollback(self, request_id: Hashable, num_tokens: int) -> int:
+        """Take the last ``num_tokens`` tokens of ``request_id`` back (rejected drafts), as if
+        they had never been appended; returns the blocks given back. Cost is proportional to
+        what is undone: only bookkeeping changes and trailing blocks go back. Entries and state
+        rows the undone tokens wrote stay in the pages but are unreadable (every read is bounded
+        by the request's length) and are overwritten when those positions are appended again.
+
+        Raises (changing nothing) RuntimeError inside a step, KeyError for an unknown id,
+        TypeError/ValueError unless ``0 <= num_tokens <= rollback_limit(request_id)``."""
+        if self._plan is not None:
+            raise RuntimeError("rollback() inside a step: call end_step() or abort_step() first")
+        limit = self.rollback_limit(request_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if not 0 <= num_tokens <= limit:
+            raise ValueError(
+                f"num_tokens must be in [0, {limit}] for request {request_id!r}: only tokens appended since its last "
+                f"accepted point can be taken back (at most num_speculative_tokens={self.num_speculative_tokens} "
+                f"since the last commit), got {num_tokens}")
+        return self.manager.rollback(request_id, self.manager.num_computed(request_id) - num_tokens)
+
+    def commit(self, request_id: Hashable) -> int:
+        """Accept every computed token of ``request_id`` (no rollback below this point); sliding
+        groups return the blocks only a rollback could have read. Returns the blocks freed."""
+        if self._plan is not None:
+            raise RuntimeError("commit() inside a step: call end_step() or abort_step() first")
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        return self.manager.commit(request_id)
+
     # ---- one step ----------------------------------------------------------------------------
     def check_step(self, new_tokens: Mapping[Hashable, int]) -> dict[Hashable, int]:
         """Validate a step without changing anything; returns request -> tokens before the step.
@@ -310,27 +369,38 @@ class PagedAttentionEngine:
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
         """Serve decode-only steps (every request one new token) through CUDA graphs captured per
         batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
-        padded static steps eagerly. Other steps stay eager."""
+        padded static steps eagerly. Other steps stay eager. With ``num_speculative_tokens = k``
+        verify steps where every request feeds the same q in 2..1+k tokens get graphs too."""
         from dsv4attn.serving.graphs import DecodeGraphs
 
         if self._plan is not None:
             raise RuntimeError("enable_cuda_graphs() inside a step")
         self.graphs = DecodeGraphs(self, buckets, capture)
+        self.spec_graphs = {q: DecodeGraphs(self, buckets, capture, query_len=q)
+                            for q in range(2, self.decode_threshold + 1) if self.max_num_batched_tokens >= q}
+
+    def _graphs_for(self, qlens: Sequence[int]):
+        """The DecodeGraphs serving a step whose requests all feed the same count (else None)."""
+        if self.graphs is None or not qlens or any(q != qlens[0] for q in qlens):
+            return None
+        return self.graphs if qlens[0] == 1 else self.spec_graphs.get(qlens[0])
 
     def _build(self, new_tokens: Mapping[Hashable, int], starts: Mapping[Hashable, int]) -> StepPlan:
-        order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > 1)  # decodes first (stable)
+        thr = self.decode_threshold
+        order = sorted(new_tokens, key=lambda rid: new_tokens[rid] > thr)  # decodes first (stable)
         qlens = [new_tokens[rid] for rid in order]
         seq_lens = [starts[rid] + n for rid, n in zip(order, qlens)]
         dev, m = self.device, self.manager
-        bucket = self.graphs.bucket_for(len(order)) if self.graphs is not None and max(qlens) == 1 else None
+        graphs = self._graphs_for(qlens)
+        bucket = graphs.bucket_for(len(order)) if graphs is not None else None
         if bucket is not None:
-            meta = self.graphs.prepare(order, seq_lens, bucket)
-            tables = {r: self.graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            meta = graphs.prepare(order, seq_lens, bucket)
+            tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
             return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
                             {r: t for r, t in tables.items() if t is not None}, bucket)
         tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
-                                            device=dev)
+                                            num_speculative_tokens=self.num_speculative_tokens, device=dev)
         meta = self.builder.build(batch, impl=self.impl)
         state_tables = {r: m.block_table(order, g, device=dev) for r, g in _STATE_GROUP.items() if g in self.num_blocks}
         return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables)
@@ -358,7 +428,7 @@ class PagedAttentionEngine:
         """Layer ``i`` on validated input (dsv4attn.distributed's DCP engine overrides it)."""
         layer = self.layers[i]
         if plan.bucket is not None:
-            return self.graphs.run(i, hidden, plan.bucket)
+            return self._graphs_for(plan.query_lens).run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
                               plan.state_tables.get(layer.ratio), impl=self.impl)

@@ -18,6 +18,13 @@ context replays correctly at any longer one.
 
 ``capture=False`` runs the same padded static step eagerly (CPU-testable, and the "eager"
 side of the bit-for-bit replay tests).
+
+Speculative decoding: ``query_len = q > 1`` makes the same structure for verify steps in which
+every request feeds q tokens (the last accepted token and q - 1 drafts): buckets count
+requests, the static inputs hold ``bucket * q`` token rows, and pad requests feed q tokens at
+positions ``0 .. q-1`` with SWA slot -1 (zero-length candidate sets), no state blocks, and
+compressed slots -1 (cleared after the build): they write nothing. The engine keeps one
+instance per q in ``2 .. 1 + k``.
 """
 
 from __future__ import annotations
@@ -39,11 +46,17 @@ _STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
 class DecodeGraphs:
     """Static buffers and (optionally) captured graphs of padded decode steps for one engine."""
 
-    def __init__(self, engine, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
-        cap = min(engine.max_num_reqs, engine.max_num_batched_tokens)
+    def __init__(self, engine, buckets: Sequence[int] | None = None, capture: bool = True,
+                 query_len: int = 1) -> None:
+        q = query_len
+        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= engine.decode_threshold:
+            raise ValueError(f"query_len must be an int in [1, decode_threshold={engine.decode_threshold}], got "
+                             f"{query_len!r}")
+        self.query_len = q
+        cap = min(engine.max_num_reqs, engine.max_num_batched_tokens // q)
         buckets = sorted({b for b in (buckets or DEFAULT_BUCKETS) if isinstance(b, int) and 1 <= b <= cap})
         if not buckets:
-            raise ValueError(f"no decode bucket in [1, min(max_num_reqs, max_num_batched_tokens) = {cap}]")
+            raise ValueError(f"no decode bucket in [1, min(max_num_reqs, max_num_batched_tokens // {q}) = {cap}]")
         if capture and engine.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the engine is on {engine.device}")
         self.engine, self.buckets, self.capture = engine, tuple(buckets), capture
@@ -51,10 +64,10 @@ class DecodeGraphs:
         self.groups = {g.name: g for g in engine.manager.groups}
         self.tables = {name: torch.full((n, cdiv(L, g.tokens_per_block)), NULL_BLOCK, dtype=torch.int32, device=dev)
                        for name, g in self.groups.items()}
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slots = torch.full((n, ), -1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n * q, ), -1, dtype=torch.int64, device=dev)
         hs = engine.layers[0].config.hidden_size
-        self.inputs = {b: torch.zeros(b, hs, dtype=engine.dtype, device=dev) for b in buckets}
+        self.inputs = {b: torch.zeros(b * q, hs, dtype=engine.dtype, device=dev) for b in buckets}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, StepMetadata] = {}
@@ -69,12 +82,12 @@ class DecodeGraphs:
 
     # ---- per step ----------------------------------------------------------------------------
     def prepare(self, order: Sequence[Hashable], seq_lens: Sequence[int], bucket: int) -> StepMetadata:
-        """Write a decode step (``order`` requests, one new token each, ``seq_lens`` after it)
-        padded to ``bucket`` into the static buffers and build its metadata."""
-        eng, m, R = self.engine, self.engine.manager, len(order)
+        """Write a decode step (``order`` requests, ``query_len`` new tokens each, ``seq_lens``
+        after it) padded to ``bucket`` into the static buffers and build its metadata."""
+        eng, m, R, q = self.engine, self.engine.manager, len(order), self.query_len
         swa_bs = eng.cache_config.swa_block_size
-        pos = torch.zeros(bucket, dtype=torch.int64)
-        slots = torch.full((bucket,), -1, dtype=torch.int64)
+        pos = torch.arange(q, dtype=torch.int64).repeat(bucket)  # pad requests: positions 0 .. q-1
+        slots = torch.full((bucket * q,), -1, dtype=torch.int64)
         for name, t in self.tables.items():
             host = torch.full((bucket, t.shape[1]), NULL_BLOCK, dtype=torch.int32)
             if R:
@@ -82,18 +95,25 @@ class DecodeGraphs:
                 host[:R, :rows.shape[1]] = rows
             if name == GROUP_SWA:
                 for i, s in enumerate(seq_lens):
-                    p = s - 1
-                    pos[i] = p
-                    slots[i] = int(host[i, p // swa_bs]) * swa_bs + p % swa_bs
+                    for j in range(q):
+                        p = s - q + j
+                        pos[i * q + j] = p
+                        slots[i * q + j] = int(host[i, p // swa_bs]) * swa_bs + p % swa_bs
                 host[R:, 0] = 0  # pad rows: a valid id in the one column position 0 maps to (never read)
+            elif name == GROUP_FULL_MLA and q > 1:  # pads reach entry 0 (p = 3): an id for the builder's
+                host[R:, 0] = 0  # check; their compressed slots are cleared below, so nothing is written
             t[:bucket].copy_(host)
-        self.positions[:bucket].copy_(pos)
-        self.slots[:bucket].copy_(slots)
+        self.positions[:bucket * q].copy_(pos)
+        self.slots[:bucket * q].copy_(slots)
         tables = {g: self.tables[g][:bucket] for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.tables}
-        batch = BatchMetadata.from_requests([1] * bucket, list(seq_lens) + [1] * (bucket - R), tables,
-                                            slot_mapping=self.slots[:bucket], device=eng.device)
-        batch = dataclasses.replace(batch, positions=self.positions[:bucket])
+        batch = BatchMetadata.from_requests([q] * bucket, list(seq_lens) + [q] * (bucket - R), tables,
+                                            slot_mapping=self.slots[:bucket * q], device=eng.device,
+                                            num_speculative_tokens=eng.num_speculative_tokens)
+        batch = dataclasses.replace(batch, positions=self.positions[:bucket * q])
         meta = eng.builder.build(batch, impl=eng.impl)
+        if q > 1:
+            for cm in meta.compressed.values():
+                cm.slot_mapping[R * q:].fill_(-1)
         self.steps[bucket] = meta
         return meta
 
@@ -108,7 +128,7 @@ class DecodeGraphs:
                           self.state_table(bucket, layer.ratio), impl=eng.impl)
 
     def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
-        """Layer i on the prepared step: hidden ``[R, hidden]`` -> ``[R, hidden]`` (a copy)."""
+        """Layer i on the prepared step: hidden ``[R * query_len, hidden]`` -> same shape (a copy)."""
         R = hidden.shape[0]
         x = self.inputs[bucket]
         x[:R].copy_(hidden)

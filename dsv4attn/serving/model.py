@@ -11,8 +11,10 @@ the oracle); the dsv4attn layers share its attention parameters (no copy).
 
 Per-step API (what an engine drives): ``begin_step({request: token ids})`` ->
 ``forward_step()`` (all layers, logits of each request's last token) -> ``end_step()``;
-``free(request)``. ``generate(prompts, max_new_tokens)`` is greedy decoding with continuous
-batching on top of it (:mod:`dsv4attn.serving.scheduler`).
+``free(request)``; speculative decoding adds ``rollback(request, n)`` / ``commit(request)``.
+``generate(prompts, max_new_tokens)`` is greedy decoding with continuous batching on top of it
+(:mod:`dsv4attn.serving.scheduler`; with ``num_speculative_tokens=k``: draft-and-verify,
+:mod:`dsv4attn.serving.spec`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class PagedDeepseekV4:
         max_model_len: longest request (prompt + generated tokens).
         device: default: the model's device. impl: kernel path ("auto" | "triton" | "reference").
         max_num_batched_tokens: token budget of a step; max_num_reqs: live requests at once.
+        num_speculative_tokens: most draft tokens a step verifies per request (0..7); sizes the
+            rollback headroom of the caches (see :class:`PagedAttentionEngine`).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class PagedDeepseekV4:
         impl: str = "auto",
         max_num_batched_tokens: int = 2048,
         max_num_reqs: int = 16,
+        num_speculative_tokens: int = 0,
     ) -> None:
         model, hf_layers = _hf_parts(hf_model)
         config = hf_model.config
@@ -100,7 +105,7 @@ class PagedDeepseekV4:
         self.engine = self._make_engine(
             layers, kv_cache_dtype, num_blocks=num_blocks, memory_bytes=memory_bytes, device=dev,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            max_num_reqs=max_num_reqs, impl=impl)
+            max_num_reqs=max_num_reqs, impl=impl, num_speculative_tokens=num_speculative_tokens)
         self.device, self.dtype = self.engine.device, dtype
         self.max_model_len = max_model_len
         self._adapters = [_PagedSelfAttention(self.engine, i) for i in range(len(layers))]
@@ -128,12 +133,21 @@ class PagedDeepseekV4:
         return plan
 
     @torch.no_grad()
-    def forward_step(self, all_tokens: bool = False) -> torch.Tensor:
+    def forward_step(self, all_tokens: bool = False, rows: Sequence[int] | None = None) -> torch.Tensor:
         """Run every layer on the open step; returns fp32 logits ``[R, vocab]`` of each request's
-        last new token, rows in ``plan.order`` (``all_tokens``: ``[T, vocab]`` of every token)."""
+        last new token, rows in ``plan.order`` (``all_tokens``: ``[T, vocab]`` of every token;
+        ``rows``: ``[len(rows), vocab]`` of those flat token rows, e.g. every drafted token of the
+        decodes and the last token of each prompt chunk)."""
         if self._ids is None:
             raise RuntimeError("forward_step() outside a step: call begin_step() first")
         plan = self.engine._plan
+        if rows is not None:
+            if all_tokens:
+                raise ValueError("give all_tokens or rows, not both")
+            T = plan.num_tokens
+            if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < T for r in rows):
+                raise ValueError(f"rows must be a list of token rows in [0, {T}), got {rows!r}")
         model, hf_layers = _hf_parts(self.hf_model)
         ids = self._ids[None]
         try:
@@ -142,7 +156,9 @@ class PagedDeepseekV4:
                 h = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
                 for layer in hf_layers:
                     h = layer(h, input_ids=ids)
-            if not all_tokens:
+            if rows is not None:
+                h = h[:, torch.tensor(list(rows), dtype=torch.long, device=self.device)]
+            elif not all_tokens:
                 h = h[:, torch.tensor([o + n - 1 for o, n in plan.offsets().values()], device=self.device)]
             h = model.norm(model.hc_head(h))
             return self.hf_model.lm_head(h)[0].float()
@@ -176,6 +192,15 @@ class PagedDeepseekV4:
     def requests(self) -> list[Hashable]:
         return self.engine.requests
 
+    def rollback(self, request: Hashable, num_tokens: int) -> int:
+        """Take the last ``num_tokens`` tokens of ``request`` back (rejected drafts); see
+        :meth:`PagedAttentionEngine.rollback`."""
+        return self.engine.rollback(request, num_tokens)
+
+    def commit(self, request: Hashable) -> int:
+        """Accept every token of ``request`` in the caches (see :meth:`PagedAttentionEngine.commit`)."""
+        return self.engine.commit(request)
+
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
         """Run decode-only steps' attention through CUDA graphs per batch-size bucket (padded);
         see :meth:`PagedAttentionEngine.enable_cuda_graphs`."""
@@ -195,7 +220,8 @@ class PagedDeepseekV4:
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, token_budget: int | None = None,
                  chunk_size: int | None = None, eos_token_id: int | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[list[int]]:
+                 progress: Callable[[int], None] | None = None, num_speculative_tokens: int = 0,
+                 drafter=None, return_stats: bool = False):
         """Greedy decoding of every prompt with continuous batching; returns the new tokens of
         each prompt (``max_new_tokens`` of them unless ``eos_token_id`` came first).
 
@@ -203,7 +229,20 @@ class PagedDeepseekV4:
         ``token_budget`` (default: max_num_batched_tokens) with prompt chunks of at most
         ``chunk_size`` tokens; requests join when blocks and slots allow and leave when done.
         ``progress(n)`` is called with the tokens each step processed.
+
+        ``num_speculative_tokens=k`` (<= the model's): every decode step verifies up to k draft
+        tokens per request from ``drafter`` (default: prompt lookup,
+        :class:`dsv4attn.serving.drafter.NgramDrafter`) and rolls rejected ones back; greedy
+        output is the same as with k = 0. ``return_stats``: return ``(outputs, SpecStats)``
+        (acceptance rate, tokens/s; also logged).
         """
+        if num_speculative_tokens or drafter is not None or return_stats:
+            from dsv4attn.serving.spec import SpeculativeBatcher
+
+            batcher = SpeculativeBatcher(self, num_speculative_tokens, drafter=drafter, token_budget=token_budget,
+                                         chunk_size=chunk_size)
+            outs = batcher.run(prompts, max_new_tokens, eos_token_id=eos_token_id, progress=progress)
+            return (outs, batcher.stats) if return_stats else outs
         from dsv4attn.serving.scheduler import ContinuousBatcher
 
         return ContinuousBatcher(self, token_budget=token_budget, chunk_size=chunk_size).run(
