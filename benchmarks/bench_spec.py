@@ -5,9 +5,9 @@ window 128, indexer 64 x 128 top-k 512), bf16 weights, fp8_ds_mla caches, one la
 kind. B requests at context ``ctx`` each feed ``1 + k`` tokens (the last accepted token and k
 drafts; k = 0 is plain decode), k in 0..3, B in {64, 256}:
 
-1. per layer: the layer step (eager; the static form a CUDA graph captures,
-   ``layer_step(..., max_model_len=...)``, run eagerly; and on CUDA its graph replayed, from
-   ``enable_cuda_graphs``: one ``DecodeGraphs`` per query length 1 + k) with its roofline floor; ``x plain`` = time / time
+1. per layer: the layer step (eager: it is sync-free and shape-static, the same step a CUDA
+   graph captures; on CUDA also its graph replayed, from ``enable_cuda_graphs``: one
+   ``DecodeGraphs`` per query length 1 + k) with its roofline floor; ``x plain`` = time / time
    at k = 0 of the same B (a verify step of 1 + k tokens is worth it when ``x plain`` stays
    below the expected tokens per step, 1 + accepted drafts);
 2. whole engine step: ``begin_step`` (block tables + metadata, once for all layers) + every
@@ -49,9 +49,9 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
         assert plan.metadata.batch.num_decodes == batch  # every request on the decode path
         for i, layer in enumerate(layers):
             st = plan.state_tables.get(layer.ratio)
-            for mode, mml in (("eager", None), ("static", eng.max_model_len)):
-                us = median_us(lambda layer=layer, x=x, meta=plan.metadata, c=eng.caches[i], st=st, mml=mml:
-                               layer_step(layer, x, meta, eng.builder, c, st, impl=eng.impl, max_model_len=mml))
+            for mode in ("eager",):
+                us = median_us(lambda layer=layer, x=x, meta=plan.metadata, c=eng.caches[i], st=st:
+                               layer_step(layer, x, meta, eng.builder, c, st, impl=eng.impl))
                 key = (i, mode)
                 base.setdefault(key, us) if k == 0 else None
                 layer_rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} B={batch} k={k} {mode}", us, T, ctx, {

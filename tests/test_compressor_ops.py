@@ -177,7 +177,7 @@ def test_state_update_then_pool_equals_dense_compressor(ratio, overlap, impl):
         got = comp.pool_paged(state, table, torch.zeros(T, dtype=torch.int32, device=dev), bpos, impl=impl)
         rows = comp.state_rows(hidden, pos)
         n = T // ratio
-        wpos = comp.window_positions(torch.arange(n))
+        wpos = comp.window_positions(torch.arange(n, device=dev))
         want = comp.pool(rows[wpos.clamp(min=0)], wpos >= 0)
     keep = bpos >= 0
     assert (got[~keep] == 0).all()

@@ -244,7 +244,7 @@ def test_fuzz_range_ops(b, which, mut, impl):
     _run(fn, make, mut)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_empty_and_one_token_calls_are_valid(impl):
     """Edge sizes that must work: zero tokens (nothing written), one token."""
     for t in (0, 1):

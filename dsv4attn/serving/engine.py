@@ -375,6 +375,11 @@ class PagedAttentionEngine:
 
         if self._plan is not None:
             raise RuntimeError("enable_cuda_graphs() inside a step")
+        if capture and self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            # fp32 layers run attention through the op's reference path (the Triton kernel
+            # multiplies in bf16), which reads each set's longest row on the host: not capturable.
+            raise ValueError(f"CUDA graphs need bf16 layers (the Triton attention path); these layers are "
+                             f"{self.dtype}: run them eagerly, or with enable_cuda_graphs(capture=False)")
         self.graphs = DecodeGraphs(self, buckets, capture)
         self.spec_graphs = {q: DecodeGraphs(self, buckets, capture, query_len=q)
                             for q in range(2, self.decode_threshold + 1) if self.max_num_batched_tokens >= q}
