@@ -72,7 +72,7 @@ def _paged_set(name: str, cache: torch.Tensor, indices: torch.Tensor | None, len
         raise TypeError(f"{name} dtype {cache.dtype} does not match is_fp8_kvcache={is_fp8}")
     if cache.dtype == torch.float8_e4m3fn:  # FlashMLA's dtype for the same bytes
         cache = cache.view(torch.uint8)
-    check_tensor(f"{name} indices", indices, dtype=torch.int32, ndim=3, device=device)
+    indices = check_tensor(f"{name} indices", indices, dtype=torch.int32, ndim=3, device=device)
     if indices.shape[:2] != (batch, s_q):
         raise ValueError(f"{name} indices must be (batch={batch}, seq_len_q={s_q}, topk), got {tuple(indices.shape)}")
     topk = indices.shape[2]
@@ -148,7 +148,7 @@ def flash_mla_with_kvcache(
     res, lse, _ = sparse_mla_forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
                                      None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl)
     if not meta.have_initialized:  # bound only once a call has passed validation
-        widths = sum(s.indices.shape[1] for s in sets)
+        widths = sum(s.indices.shape[1] for s in sets if s.indices is not None)  # all in indices form
         k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
         meta.have_initialized, meta.config = True, config
         meta.num_splits = torch.tensor([k], dtype=torch.int32)
@@ -222,6 +222,7 @@ def flash_mla_sparse_fwd(
     dst = _out_view("out", out, (s_q, num_heads, d_v), d_qk, q.device)
     cset = CandidateSet(cache=kv, lengths=lengths, indices=indices.select(1, 0))
     res, lse, max_logits = sparse_mla_forward(q, [cset], float(sm_scale), attn_sink, dst, impl, want_max=True)
+    assert max_logits is not None  # want_max=True
     if d_v != d_qk:
         res = res[..., :d_v]
     if out is not None and dst is None:

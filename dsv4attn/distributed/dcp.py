@@ -30,7 +30,7 @@ call per layer); :class:`DCPAttentionRunner` adds the per-rank block tables and 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -193,15 +193,17 @@ class DCPAttentionRunner:
                                ("indexer_k", c.indexer_k, "full_mla"), ("compressor_state", c.state, self.state_group),
                                ("indexer_compressor_state", c.indexer_state, self.state_group)):
             if t is not None:
+                assert group is not None  # a state cache exists only with its state group
                 out[name] = self.managers[group].num_held(request_id) * t.stride(0) * t.element_size()
         return out
 
     def _targets(self, end: int) -> dict[str, int]:
         """Per group, the token count its manager must cover for a request of ``end`` tokens."""
-        nl = lambda n: num_local(n, self.rank, self.world_size, self.interleave)  # noqa: E731
+        nl: Callable[[int], int] = lambda n: num_local(n, self.rank, self.world_size, self.interleave)  # noqa: E731
         r = self.layer.ratio
         out = {"swa": nl(end)}
         if r > 1:
+            assert self.state_group is not None  # ratio 4 or 128
             out["full_mla"] = nl(end // r) * r  # cdiv(local entries, 256 // r) columns of 256 raw tokens
             out[self.state_group] = end
         return out
@@ -270,6 +272,7 @@ class DCPAttentionRunner:
         dev, r = self.device, self.layer.ratio
         compressed = {}
         if r > 1:
+            assert self.caches.compressed is not None and self.state_group is not None  # a compressed layer
             compressed[r] = (self.managers["full_mla"].block_table(order, "full_mla", device=dev),
                              self.caches.compressed.shape[1],
                              self.managers[self.state_group].block_table(order, self.state_group, device=dev))

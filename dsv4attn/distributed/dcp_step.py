@@ -93,7 +93,7 @@ def build_dcp_metadata(
         if t.shape[0] < R:
             raise ValueError(f"{name} must have >= {R} rows, got shape {tuple(t.shape)}")
     nl = lambda n: num_local(n, rank, world_size, interleave)  # noqa: E731
-    cp = dict(cp_world_size=world_size, cp_rank=rank, cp_kv_cache_interleave_size=interleave)
+    cp: dict[str, Any] = dict(cp_world_size=world_size, cp_rank=rank, cp_kv_cache_interleave_size=interleave)
     pos = torch.cat([torch.arange(s - q, s) for q, s in zip(ql, sl)]).to(dev)
     t2r = torch.repeat_interleave(torch.arange(R, dtype=torch.int32), torch.tensor(ql)).to(dev)
     qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32).to(dev)
@@ -124,11 +124,13 @@ def dcp_layer_step(layer: DeepseekV4Attention, hidden: torch.Tensor, meta: DCPSt
     sets = [CandidateSet(c.swa, meta.swa_lengths, block_table=meta.swa_block_table, token_to_req=t2r,
                          starts=meta.swa_starts, layout=lay)]
     if layer.compressor is not None:
+        assert c.compressed is not None and c.state is not None  # a compressed layer's caches
         cm = meta.compressed[layer.ratio]
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, c.state, cm.state_block_table,
                                         cm.slot_mapping, layer.rotary, impl)
         insert_kv(entries.contiguous(), slots, c.compressed, kcd, layout=c.layout, validate_slots=False, impl=impl)
         if layer.kind == "csa":
+            assert layer.indexer is not None and c.indexer_state is not None and c.indexer_k is not None  # CSA
             ient, islots = run_compressor(layer.indexer, hidden, pos, t2r, c.indexer_state, cm.state_block_table,
                                           cm.slot_mapping, layer.rotary, impl)
             insert_indexer_k(ient.contiguous(), islots, c.indexer_k, kcd, validate_slots=False, impl=impl)
@@ -165,6 +167,7 @@ def dcp_indexer_topk(
     total order (score descending, entry ascending) lies within the union of the per-rank top-k.
     """
     idx = layer.indexer
+    assert idx is not None and caches.indexer_k is not None  # a CSA layer (dcp_layer_step calls this for those)
     T, dev = positions.shape[0], positions.device
     K = min(idx.topk, max_eligible)
     if K == 0:

@@ -23,13 +23,13 @@ Not supported yet: CUDA graphs, speculative rollback.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from dsv4attn.distributed.dcp_step import build_dcp_metadata, dcp_layer_step
+from dsv4attn.distributed.dcp_step import DCPStepMetadata, build_dcp_metadata, dcp_layer_step
 from dsv4attn.distributed.interleave import max_local, num_local
 from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError, cdiv
 from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA, CacheConfig, GroupSpec
@@ -59,7 +59,7 @@ class ShardedManager:
     def target(self, group: str, num_tokens: int, rank: int | None = None) -> int:
         """The count ``group``'s own manager covers for a request of ``num_tokens`` raw tokens."""
         rank = self.rank if rank is None else rank
-        nl = lambda n: num_local(n, rank, self.world_size, self.interleave)  # noqa: E731
+        nl: Callable[[int], int] = lambda n: num_local(n, rank, self.world_size, self.interleave)  # noqa: E731
         if group == GROUP_SWA:
             return nl(num_tokens)
         if group == GROUP_FULL_MLA:  # columns of 256 raw tokens = 256 // r local entries of ratio r
@@ -157,6 +157,10 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
     be tensor-parallel shards (their all-reduce runs over their TP group first).
     """
 
+    # ShardedManager has KVCacheManager's surface (duck-typed; the base engine types its manager
+    # as the class it builds).
+    manager: ShardedManager  # type: ignore[assignment]
+
     def __init__(self, layers: Sequence[DeepseekV4Attention], group: Any = None, *, interleave: int = 1,
                  kv_cache_dtype: str = "auto", num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_model_len: int = 65536, max_num_reqs: int = 256, **kwargs: Any) -> None:
@@ -187,7 +191,7 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
         groups = [dataclasses.replace(g, window=max_local(window - 1, world, interleave) + 1)
                   if g.name == GROUP_SWA else g for g in self.manager.groups]
         self.manager = ShardedManager(groups, self.num_blocks, ratios, rank, world, interleave)
-        self.builder = None  # the DCP metadata replaces the single-process builder
+        self.builder = None  # type: ignore[assignment]  # the DCP metadata replaces the single-process builder
 
     def blocks_to_reserve(self, num_tokens: int) -> int:
         """Rank 0's main-group blocks for ``num_tokens`` tokens (it holds the most): the same
@@ -231,8 +235,10 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
         meta = build_dcp_metadata(
             qlens, seq_lens, m.block_table(order, GROUP_SWA, device=dev), self.cache_config.swa_block_size,
             self.cache_config.sliding_window, compressed, self.rank, self.world_size, self.interleave, dev, self.impl)
-        return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, {})
+        # StepPlan.metadata is typed for the single-process engine; _run_layer reads this one back.
+        return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, {})  # type: ignore[arg-type]
 
     def _run_layer(self, i: int, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         with torch.no_grad():
-            return dcp_layer_step(self.layers[i], hidden, plan.metadata, self.caches[i], self.group, self.impl)
+            return dcp_layer_step(self.layers[i], hidden, cast(DCPStepMetadata, plan.metadata), self.caches[i],
+                                  self.group, self.impl)

@@ -20,6 +20,8 @@ Merge: rank ``i`` returns ``out_i`` (softmax over its own candidates, no sink) a
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.distributed as dist
 
@@ -48,10 +50,15 @@ def local_to_global(local: torch.Tensor, rank: int, world_size: int, interleave:
             + rank * interleave + local % interleave)
 
 
+@overload
+def num_local(n: torch.Tensor, rank: int, world_size: int, interleave: int) -> torch.Tensor: ...
+@overload
+def num_local(n: int, rank: int, world_size: int, interleave: int) -> int: ...
 def num_local(n: torch.Tensor | int, rank: int, world_size: int, interleave: int) -> torch.Tensor | int:
     """How many of the global entries ``0 .. n-1`` live on ``rank`` (elementwise for a tensor)."""
     _check(world_size, rank, interleave)
     period = interleave * world_size
+    full: torch.Tensor | int
     if isinstance(n, torch.Tensor):
         full = torch.div(n, period, rounding_mode="floor")
         return full * interleave + (n - full * period - rank * interleave).clamp(0, interleave)
@@ -65,7 +72,7 @@ def max_local(m: int, world_size: int, interleave: int) -> int:
     return m // period * interleave + min(m % period, interleave)
 
 
-def merge_scale(lse: torch.Tensor, sinks: torch.Tensor | None, group: object) -> torch.Tensor:
+def merge_scale(lse: torch.Tensor, sinks: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's weight in the merged output: fp32 ``[T, H]``.
 
     lse fp32 ``[T, H]``: the natural-log logsumexp of the rank's own candidates as the attention

@@ -115,7 +115,7 @@ def init_parallel(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        kw = {"device_id": device} if backend == "nccl" else {}
+        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kw)
     tp_group = dcp_group = None
     for d in range(dcp):  # new_group is collective: every rank creates every group
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dsv4attn.distributed.selfcheck import format_results, run_checks
 
-    device = None
+    device: torch.device | str | None = None
     if args.device == "cpu":
         device = "cpu"
     elif args.device == "cuda":

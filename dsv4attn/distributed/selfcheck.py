@@ -89,6 +89,7 @@ def make_plan(lengths: dict[str, int], ratio: int, seed: int, max_active: int = 
     others finish. The same on every rank (seeded)."""
     rng = random.Random(seed)
     plans = {k: chunk_sizes(n, ratio, rng) for k, n in lengths.items()}
+    active: list[str]
     pending, active, steps = list(lengths), [], []
     while pending or active:
         while pending and len(active) < max_active:
@@ -176,7 +177,7 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         steps = [{"r0": min(LONG_CHUNK, n - s)} for s in range(0, n, LONG_CHUNK)] + [{"r0": 1}] * LONG_DECODES
     else:
         steps = make_plan({k: v.shape[0] for k, v in seqs32.items()}, max(ratio, 4), seed)
-    kw = dict(RUNNER_KW, impl=impl, device=dev, kv_cache_dtype=kv_cache_dtype)
+    kw: dict[str, Any] = dict(RUNNER_KW, impl=impl, device=dev, kv_cache_dtype=kv_cache_dtype)
     layer32 = random_layer(cfg, layer_idx, seed, torch.float32, dev)
     single_runner = AttentionRunner(layer32, **kw)
     want = run_plan(single_runner, seqs32, steps, free=not memory, reserve=reserve)
@@ -206,14 +207,14 @@ def parity_case(ctx: ParallelContext, kind: str, dtype: torch.dtype = torch.floa
         out["ok"] = out["ok"] and out["all_blocks_back"]
     if memory:
         rid = next(iter(seqs32))
-        single, mine = held_bytes(single_runner, rid), held_bytes(dist_runner, rid)
-        out["single_bytes"] = {k: single[k] for k in CONTEXT_CACHES if k in single}
+        single_held, mine = held_bytes(single_runner, rid), held_bytes(dist_runner, rid)
+        out["single_bytes"] = {k: single_held[k] for k in CONTEXT_CACHES if k in single_held}
         out["rank_bytes"] = {k: mine[k] for k in CONTEXT_CACHES if k in mine}
-        out["swa_bytes"] = (single["swa_kv"], mine["swa_kv"])
+        out["swa_bytes"] = (single_held["swa_kv"], mine["swa_kv"])
         c = dist_runner.caches
         pages = {"compressed_kv": c.compressed, "indexer_k": c.indexer_k}
         # the exact share, rounded up to whole blocks: at most one partial block per cache
-        out["mem_ok"] = all(mine[k] <= single[k] / ctx.config.dcp + pages[k].stride(0) * pages[k].element_size()
+        out["mem_ok"] = all(mine[k] <= single_held[k] / ctx.config.dcp + pages[k].stride(0) * pages[k].element_size()
                             for k in out["single_bytes"])
         out["ok"] = out["ok"] and out["mem_ok"]
     return out
@@ -227,7 +228,7 @@ def run_checks(ctx: ParallelContext, dtype: torch.dtype = torch.float32, kinds: 
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {tuple(KINDS)}, got {kinds}")
-    cases = {f"{prefix}-{k}": dict(kind=k, dtype=dtype) for k in kinds}
+    cases: dict[str, dict[str, Any]] = {f"{prefix}-{k}": dict(kind=k, dtype=dtype) for k in kinds}
     if ctx.config.dcp > 1:
         cases |= {f"{prefix}-{k}-memory": dict(kind=k, dtype=dtype, memory=True) for k in LONG if k in kinds}
     cases |= {f"{prefix}-{k}": v for k, v in (extra or {}).items()}
@@ -273,7 +274,7 @@ def spawn_worker(rank: int, world_size: int, init_method: str, backend: str, out
     dcp = ParallelContext(ParallelConfig(dcp=world_size), rank, world_size, device, 0, rank, None, world)
     dcp2i = ParallelContext(ParallelConfig(dcp=world_size, dcp_interleave=2), rank, world_size, device, 0, rank,
                            None, world)
-    results = {}
+    results: dict[str, Any] = {}
     for name in dtype_names:
         dtype = getattr(torch, name)
         uneven = {"sliding-6heads-3groups": dict(kind="sliding", dtype=dtype, num_heads=6, o_groups=3)}

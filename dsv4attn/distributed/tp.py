@@ -122,7 +122,8 @@ class TPAttention(DeepseekV4Attention):
             wa = layer.o_a_proj.weight.view(cfg.o_groups, L, per_group * D)
             segs = output_segments(cfg.num_heads, cfg.o_groups, h0, h1)
             self.segments = segs
-            self.o_a_proj = ShardedGroupedLinear(
+            # the rank's segments of the grouped projection (same call contract as GroupedLinear)
+            self.o_a_proj = ShardedGroupedLinear(  # type: ignore[assignment]
                 [wa[g, :, (a - g * per_group) * D:(b - g * per_group) * D].clone() for g, a, b in segs])
             wb = layer.o_b_proj.weight  # [hidden, G * L]
             self.o_b_proj = nn.Linear(len(segs) * L, cfg.hidden_size, bias=False, device=wb.device, dtype=wb.dtype)

@@ -62,6 +62,7 @@ def blocks_held(group: GroupSpec, num_tokens: int, step_tokens: int = 0) -> int:
     end = cdiv(num_tokens + step_tokens, group.tokens_per_block)
     if group.kind == "full":
         return end
+    assert group.window is not None  # sliding groups carry a window (KVCacheManager refuses others)
     first = max(0, num_tokens - group.window + 1) // group.tokens_per_block
     return end - first
 

@@ -134,7 +134,9 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         if cache.dim() != 3:
             raise ValueError(f"{name}.cache must be a 3-D (num_blocks, block_size, entry_bytes) uint8 view, "
                              f"got shape {tuple(cache.shape)}")
-        entry_bytes = resolve_layout(s, head_dim, name).entry_bytes
+        layout = resolve_layout(s, head_dim, name)
+        assert layout is not None  # uint8 cache: an fp8 set always resolves a layout
+        entry_bytes = layout.entry_bytes
         if cache.shape[2] != entry_bytes or cache.stride(2) != 1:
             raise ValueError(f"{name}.cache must be a (num_blocks, block_size, {entry_bytes}) uint8 view with "
                              f"contiguous bytes, got shape {tuple(cache.shape)} strides {cache.stride()}")
@@ -178,14 +180,14 @@ def check_candidate_set(name: str, s: object, num_tokens: int, head_dim: int, de
         for extra in ("block_table", "token_to_req", "starts"):
             if getattr(s, extra) is None:
                 raise ValueError(f"{name}: range form needs {extra} (or give indices for the indices form)")
-        check_tensor(f"{name}.block_table", s.block_table, dtype=i32, ndim=2, device=device)
-        if s.block_table.shape[1] > 0 and s.block_table.stride(1) != 1:
-            raise ValueError(f"{name}.block_table rows must be contiguous, got strides {s.block_table.stride()}")
+        block_table = check_tensor(f"{name}.block_table", s.block_table, dtype=i32, ndim=2, device=device)
+        if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+            raise ValueError(f"{name}.block_table rows must be contiguous, got strides {block_table.stride()}")
         # token_to_req values are not range-checked (that would need a host sync per layer): a
         # value that is no block-table row means "no candidates" in the kernels and the reference.
         check_tensor(f"{name}.token_to_req", s.token_to_req, dtype=i32, shape=(num_tokens,), device=device)
         check_tensor(f"{name}.starts", s.starts, dtype=i32, shape=(num_tokens,), device=device)
-        span = s.block_table.shape[1] * int(cache.shape[1])
+        span = block_table.shape[1] * int(cache.shape[1])
         if span > MAX_ENTRIES:
             raise ValueError(f"{name}.block_table spans {span} entries per request (block_table.shape[1] x "
                              f"block_size); at most {MAX_ENTRIES} are supported")

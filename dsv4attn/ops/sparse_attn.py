@@ -348,10 +348,12 @@ def _set_args(s: CandidateSet) -> list:
     c = s.cache
     c_stride = c.stride()
     if s.is_range:
+        assert s.block_table is not None  # range form (check_candidate_set proved its fields)
         idx, stride_idx, width = s.lengths, 0, _INT32_MAX
         bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
         req, start, num_reqs = s.token_to_req, s.starts, s.block_table.shape[0]
     else:
+        assert s.indices is not None  # indices form
         idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
         bt, stride_bt, max_blocks, req, start, num_reqs = idx, 0, 0, idx, idx, 0
     lengths = s.lengths if s.lengths is not None else s.indices  # no lengths: never read (A_LEN/B_LEN)
@@ -363,6 +365,7 @@ def _static_width(s: CandidateSet) -> int:
     """Upper bound on a token's candidates of ``s`` known without reading device data."""
     if s.indices is not None:
         return s.indices.shape[1]
+    assert s.block_table is not None  # range form
     return s.block_table.shape[1] * s.block_size
 
 
@@ -399,8 +402,8 @@ def _launch(
     shared = (prefill and num_heads <= _PREFILL_MAX_HEADS and max_logits is None and not deterministic
               and any(s.is_range for s in sets))
     if shared:
-        range_sets = [s for s in sets if s.is_range]
-        index_sets = [s for s in sets if not s.is_range]
+        range_sets: Sequence[CandidateSet] = [s for s in sets if s.is_range]
+        index_sets: Sequence[CandidateSet] = [s for s in sets if not s.is_range]
         passes = [("shared", range_sets)] + ([("per_token", index_sets)] if index_sets else [])
         total = len(passes)
     else:
@@ -473,6 +476,7 @@ def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scal
 
     def args(s: CandidateSet) -> list:
         c = s.cache
+        assert s.block_table is not None  # shared pass: range-form sets only
         return [c, c.stride(0), c.stride(1), s.block_size, s.capacity, s.lengths, s.block_table,
                 s.block_table.stride(0), s.block_table.shape[1], s.block_table.shape[0], s.token_to_req, s.starts]
 

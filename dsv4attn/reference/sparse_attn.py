@@ -25,6 +25,7 @@ def candidate_slots(s: CandidateSet, rows: slice) -> tuple[torch.Tensor, torch.T
     """Global slots ``[n, width]`` int64 (0 where invalid) and validity ``[n, width]`` bool of
     tokens ``rows`` of set ``s``."""
     if s.lengths is None:  # indices form, whole rows
+        assert s.indices is not None  # lengths=None only in the indices form (check_candidate_set)
         idx = s.indices[rows].long()
         valid = (idx >= 0) & (idx < s.capacity)
         return torch.where(valid, idx, torch.zeros_like(idx)), valid
@@ -39,6 +40,7 @@ def candidate_slots(s: CandidateSet, rows: slice) -> tuple[torch.Tensor, torch.T
         # Entries outside the block table ([0, max_blocks * block_size)) and tokens whose
         # token_to_req is no block-table row have no candidates: clip each range to the table
         # (bounded work, whatever the lengths) and empty the others.
+        assert s.block_table is not None and s.token_to_req is not None and s.starts is not None  # range form
         max_blocks, num_reqs = s.block_table.shape[1], s.block_table.shape[0]
         req = s.token_to_req[rows].long()
         lo = s.starts[rows].long().clamp(min=0)
