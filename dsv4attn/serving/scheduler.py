@@ -40,8 +40,8 @@ class ContinuousBatcher:
     def _blocks_for(self, num_tokens: int) -> int:
         return self.engine.blocks_to_reserve(num_tokens)
 
-    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
-            progress: Callable[[int], None] | None = None) -> list[list[int]]:
+    def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
+        """Validate the prompts and build their requests, each with its main-group reservation."""
         eng = self.engine
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -64,6 +64,36 @@ class ContinuousBatcher:
                 raise ValueError(f"prompts[{i}] needs {r.reserve} blocks of {eng.main_group!r} for {final} tokens, the "
                                  f"cache has {capacity}: raise num_blocks or memory_bytes")
             reqs.append(r)
+        return reqs
+
+    def _fill_prefills(self, running: list[_Request], waiting: list[_Request], tokens: dict, budget: int,
+                       reserved: int) -> tuple[int, int]:
+        """Add prompt chunks to ``tokens`` until ``budget`` is spent: running requests still
+        prefilling first, then waiting requests that may join (a free slot and room for their
+        reservation). Returns the budget and reservation left."""
+        eng = self.engine
+        capacity = eng.num_blocks[eng.main_group]
+        for r in running:
+            if r.fed < len(r.prompt) and budget > 0:
+                n = min(self.chunk, budget, len(r.prompt) - r.fed)
+                tokens[r.rid] = r.prompt[r.fed:r.fed + n]
+                budget -= n
+        while waiting and budget > 0 and len(running) < eng.max_num_reqs \
+                and reserved + waiting[0].reserve <= capacity:
+            r = waiting.pop(0)
+            running.append(r)
+            reserved += r.reserve
+            n = min(self.chunk, budget, len(r.prompt))
+            tokens[r.rid] = r.prompt[:n]
+            budget -= n
+        if not tokens:
+            raise RuntimeError("no request could be scheduled (token budget or cache too small)")
+        return budget, reserved
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
+            progress: Callable[[int], None] | None = None) -> list[list[int]]:
+        eng = self.engine
+        reqs = self._requests(prompts, max_new_tokens)
         if max_new_tokens == 0:
             return [[] for _ in reqs]
         clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
@@ -78,21 +108,7 @@ class ContinuousBatcher:
                 if r.fed >= len(r.prompt) and budget > 0:
                     tokens[r.rid] = [r.out[-1]]
                     budget -= 1
-            for r in running:
-                if r.fed < len(r.prompt) and budget > 0:
-                    n = min(self.chunk, budget, len(r.prompt) - r.fed)
-                    tokens[r.rid] = r.prompt[r.fed:r.fed + n]
-                    budget -= n
-            while waiting and budget > 0 and len(running) < eng.max_num_reqs \
-                    and reserved + waiting[0].reserve <= capacity:
-                r = waiting.pop(0)
-                running.append(r)
-                reserved += r.reserve
-                n = min(self.chunk, budget, len(r.prompt))
-                tokens[r.rid] = r.prompt[:n]
-                budget -= n
-            if not tokens:
-                raise RuntimeError("no request could be scheduled (token budget or cache too small)")
+            budget, reserved = self._fill_prefills(running, waiting, tokens, budget, reserved)
             logits = self.model.step({("generate", rid): t for rid, t in tokens.items()})
             done = []
             for r in running:

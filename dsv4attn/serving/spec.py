@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4attn.kv_cache.allocator import cdiv
 from dsv4attn.serving.drafter import Drafter, NgramDrafter
+from dsv4attn.serving.scheduler import ContinuousBatcher, _Request
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,7 @@ def accept_greedy(drafts: Sequence[int], predicted: Sequence[int]) -> int:
     return a
 
 
-@dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    fed: int = 0  # tokens in the caches (or in the step being run)
-    out: list[int] = field(default_factory=list)
-    reserve: int = 0  # main-group blocks reserved for the final length
-
-
-class SpeculativeBatcher:
+class SpeculativeBatcher(ContinuousBatcher):
     """Greedy ``generate`` with draft-and-verify decode steps; see the module docstring.
 
     ``num_speculative_tokens``: drafts per request and step (0 .. the model's
@@ -105,45 +96,10 @@ class SpeculativeBatcher:
                              f"PagedDeepseekV4(..., num_speculative_tokens={k}) (it sizes the rollback headroom)")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a dsv4attn.serving.drafter.Drafter, got {type(drafter).__name__}")
-        budget = eng.max_num_batched_tokens if token_budget is None else token_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= eng.max_num_batched_tokens:
-            raise ValueError(f"token_budget must be an int in [1, max_num_batched_tokens={eng.max_num_batched_tokens}]"
-                             f", got {token_budget!r}")
-        chunk = budget if chunk_size is None else chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        self.model, self.engine, self.k, self.budget, self.chunk = model, eng, k, budget, chunk
+        super().__init__(model, token_budget, chunk_size)
+        self.k = k
         self.drafter = drafter if drafter is not None else NgramDrafter()
-        g = next(g for g in eng.manager.groups if g.name == eng.main_group)
-        self._tpb, self._sliding_main = g.tokens_per_block, g.kind == "sliding"
         self.stats = SpecStats(k)
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return 0 if self._sliding_main else cdiv(num_tokens, self._tpb)
-
-    def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
-        eng = self.engine
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
-        vocab, capacity = self.model.config.vocab_size, eng.num_blocks[eng.main_group]
-        reqs = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0:
-                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}] holds {bad[0]!r}: token ids are ints in [0, {vocab})")
-            final = len(p) + max(max_new_tokens - 1, 0)  # drafts never go past this (see _drafts)
-            if final > eng.max_model_len:
-                raise ValueError(f"prompts[{i}] needs {final} tokens > max_model_len={eng.max_model_len}")
-            r = _Request(i, list(p), reserve=self._blocks_for(final))
-            if r.reserve > capacity:
-                raise ValueError(f"prompts[{i}] needs {r.reserve} blocks of {eng.main_group!r} for {final} tokens, the "
-                                 f"cache has {capacity}: raise num_blocks or memory_bytes")
-            reqs.append(r)
-        return reqs
 
     def _drafts(self, decodes: list[_Request], budget: int, max_new_tokens: int) -> dict[int, list[int]]:
         """Drafts per decoding request: at most k, never past max_new_tokens, within the budget."""
@@ -181,7 +137,6 @@ class SpeculativeBatcher:
         clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
         if clashes:
             raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
-        capacity = eng.num_blocks[eng.main_group]
         waiting, running, reserved = list(reqs), [], 0
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
@@ -194,21 +149,7 @@ class SpeculativeBatcher:
                 for r in decodes:
                     tokens[r.rid] = [r.out[-1]] + drafts.get(r.rid, [])
                     budget -= len(tokens[r.rid])
-                for r in running:
-                    if r.fed < len(r.prompt) and budget > 0:
-                        n = min(self.chunk, budget, len(r.prompt) - r.fed)
-                        tokens[r.rid] = r.prompt[r.fed:r.fed + n]
-                        budget -= n
-                while waiting and budget > 0 and len(running) < eng.max_num_reqs \
-                        and reserved + waiting[0].reserve <= capacity:
-                    r = waiting.pop(0)
-                    running.append(r)
-                    reserved += r.reserve
-                    n = min(self.chunk, budget, len(r.prompt))
-                    tokens[r.rid] = r.prompt[:n]
-                    budget -= n
-                if not tokens:
-                    raise RuntimeError("no request could be scheduled (token budget or cache too small)")
+                budget, reserved = self._fill_prefills(running, waiting, tokens, budget, reserved)
                 plan = model.begin_step({("generate", rid): t for rid, t in tokens.items()})
                 offsets = plan.offsets()
                 rows, where = [], {}
