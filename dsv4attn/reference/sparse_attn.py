@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from dsv4attn.kv_cache.layout import FP8DSMLALayout, dequantize_tokens
+from dsv4attn.kv_cache.slots import entry_slots
 from dsv4attn.ops.candidate_set import CandidateSet, resolve_layout
 
 #: Query tokens processed per step (bounds the gathered [tokens, candidates, head_dim] fp32 tensor).
@@ -50,14 +51,8 @@ def candidate_slots(s: CandidateSet, rows: slice) -> tuple[torch.Tensor, torch.T
         j = torch.arange(width, device=lengths.device)
         e = lo[:, None] + j[None, :]
         valid = j[None, :] < lengths[:, None]
-        col = torch.div(e, s.block_size, rounding_mode="floor")
-        if max_blocks == 0 or num_reqs == 0:
-            return torch.zeros_like(e), torch.zeros_like(valid)
-        req = req[:, None].expand_as(e)
-        blk = s.block_table[torch.where(valid, req, 0), torch.where(valid, col, 0)].long()
-        valid = valid & (col >= 0) & (col < max_blocks)
-        valid = valid & (blk >= 0)
-        slot = blk * s.block_size + torch.remainder(e, s.block_size)
+        slot = entry_slots(s.block_table, torch.where(valid, req[:, None], 0), e, s.block_size, valid)
+        valid = slot >= 0  # the one slot formula: holes (freed blocks, columns past the table) are -1
     valid = valid & (slot < s.capacity)
     return torch.where(valid, slot, torch.zeros_like(slot)), valid
 
