@@ -182,7 +182,7 @@ class SpeculativeBatcher:
         if clashes:
             raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
         capacity = eng.num_blocks[eng.main_group]
-        waiting, running, reserved = list(reqs), [], 0
+        waiting, running, reserved = list(reqs), list[_Request](), 0
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         try:
@@ -211,7 +211,8 @@ class SpeculativeBatcher:
                     raise RuntimeError("no request could be scheduled (token budget or cache too small)")
                 plan = model.begin_step({("generate", rid): t for rid, t in tokens.items()})
                 offsets = plan.offsets()
-                rows, where = [], {}
+                rows: list[int] = []
+                where: dict[int, tuple[int, int]] = {}
                 by_id = {r.rid: r for r in running}
                 for rid in tokens:
                     r = by_id[rid]
