@@ -352,6 +352,7 @@ class KVCacheManager:
         """First column a future token may read (0 for full groups)."""
         if g.kind == "full":
             return 0
+        assert g.window is not None  # sliding groups are checked for a positive window in __init__
         first_visible = max(0, num_computed - g.window + 1)
         return first_visible // g.tokens_per_block
 

@@ -254,6 +254,7 @@ def _generate(args, ctx) -> int:
             if not exact:
                 teacher_forced_errors(pm, model, prompts, refs, reference=False)
             return 0
+        assert refs is not None  # the lead ran the oracle above
         div = [first_divergence(a, b) for a, b in zip(outs, refs)]
         same = sum(d is None for d in div)
         print(f"identical sequences: {same}/{len(prompts)}; first divergence at "
@@ -262,7 +263,9 @@ def _generate(args, ctx) -> int:
             ok = same == len(prompts)
             print(f"check (float32, exact): every generated token equal -> {'PASS' if ok else 'FAIL'}")
         else:
-            ours, ref = teacher_forced_errors(pm, model, prompts, refs)
+            errs = teacher_forced_errors(pm, model, prompts, refs)
+            assert errs is not None  # reference=True returns (ours, reference)
+            ours, ref = errs
             bound = LOWP_FACTOR[kv] * ref
             ok = ours <= bound
             print(f"check ({dtype}, {kv}, teacher-forced): max |logit - fp32 logit| ours {ours:.3e} vs bound "

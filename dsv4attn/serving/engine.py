@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 from dsv4attn.serving.paged import LayerCaches, layer_step
+
+if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
+    from dsv4attn.serving.graphs import DecodeGraphs
 
 KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 #: Ratios the paged caches and metadata support (vLLM accepts only these).
@@ -181,8 +185,8 @@ class PagedAttentionEngine:
             num_blocks=nb, window_size=cfg.window_size, compress_ratios=ratios, swa_block_size=swa_bs,
             index_topk=cfg.index_topk, form="range",
         ), dev)
-        self.graphs = None  # DecodeGraphs once enable_cuda_graphs() ran
-        self.spec_graphs: dict = {}  # query_len q in 2..1+k -> DecodeGraphs of uniform verify steps
+        self.graphs: DecodeGraphs | None = None  # once enable_cuda_graphs() ran
+        self.spec_graphs: dict[int, DecodeGraphs] = {}  # query_len q in 2..1+k -> DecodeGraphs of uniform verify steps
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
@@ -194,6 +198,7 @@ class PagedAttentionEngine:
 
         def kv_cache(n: int, block_size: int) -> torch.Tensor:
             if kcd == "fp8_ds_mla":
+                assert layout is not None  # set above for fp8_ds_mla
                 return alloc_fp8_ds_mla_cache(n, block_size, layout, device=dev)
             return torch.zeros(n, block_size, cfg.head_dim, dtype=self.dtype, device=dev)
 
@@ -384,7 +389,7 @@ class PagedAttentionEngine:
         self.spec_graphs = {q: DecodeGraphs(self, buckets, capture, query_len=q)
                             for q in range(2, self.decode_threshold + 1) if self.max_num_batched_tokens >= q}
 
-    def _graphs_for(self, qlens: Sequence[int]):
+    def _graphs_for(self, qlens: Sequence[int]) -> DecodeGraphs | None:
         """The DecodeGraphs serving a step whose requests all feed the same count (else None)."""
         if self.graphs is None or not qlens or any(q != qlens[0] for q in qlens):
             return None
@@ -398,11 +403,11 @@ class PagedAttentionEngine:
         dev, m = self.device, self.manager
         graphs = self._graphs_for(qlens)
         bucket = graphs.bucket_for(len(order)) if graphs is not None else None
-        if bucket is not None:
+        if graphs is not None and bucket is not None:  # a bucket comes from graphs only
             meta = graphs.prepare(order, seq_lens, bucket)
-            tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
+            graph_tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
             return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
-                            {r: t for r, t in tables.items() if t is not None}, bucket)
+                            {r: t for r, t in graph_tables.items() if t is not None}, bucket)
         tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
                                             num_speculative_tokens=self.num_speculative_tokens, device=dev)
@@ -433,7 +438,9 @@ class PagedAttentionEngine:
         """Layer ``i`` on validated input (dsv4attn.distributed's DCP engine overrides it)."""
         layer = self.layers[i]
         if plan.bucket is not None:
-            return self._graphs_for(plan.query_lens).run(i, hidden, plan.bucket)
+            graphs = self._graphs_for(plan.query_lens)
+            assert graphs is not None  # _build gave the plan a bucket from these same graphs
+            return graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
                               plan.state_tables.get(layer.ratio), impl=self.impl)

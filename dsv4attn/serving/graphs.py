@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, StepMetadata] = {}
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # the first capture's memory pool, shared
         for b in self.buckets:
             self.prepare([], [], b)  # all-pad step: builds the bucket's static metadata
             if capture:

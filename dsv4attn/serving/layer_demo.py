@@ -20,6 +20,7 @@ import argparse
 import copy
 import random
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -109,8 +110,9 @@ def run_demo(size: DemoSize, num_requests: int, device: torch.device, seed: int 
         seqs[r] = torch.randn(prompt[r] + rng.randint(*size.decode_lens), cfg.hidden_size, generator=gen)
     res = DemoResult(size.name, str(device), requests=num_requests, tokens=sum(x.shape[0] for x in seqs.values()))
     done_pos = {r: 0 for r in seqs}
-    layer_io = {r: [[] for _ in range(2 * cfg.num_layers)] for r in seqs}  # per layer: inputs, outputs
-    waiting, running = list(seqs), []
+    # per layer: inputs, outputs
+    layer_io: dict[int, list[list[torch.Tensor]]] = {r: [[] for _ in range(2 * cfg.num_layers)] for r in seqs}
+    waiting, running = list(seqs), list[int]()
     bar = _progress(res.tokens, progress)
     t0 = time.perf_counter()
     peak = (0, 1)
@@ -131,7 +133,8 @@ def run_demo(size: DemoSize, num_requests: int, device: torch.device, seed: int 
             if r in waiting:
                 waiting.remove(r)
                 running.append(r)
-        h = {r: seqs[r][done_pos[r]:done_pos[r] + n].to(device=device, dtype=size.dtype) for r, n in chunks.items()}
+        h: dict[Hashable, torch.Tensor] = {r: seqs[r][done_pos[r]:done_pos[r] + n].to(device=device, dtype=size.dtype)
+                                           for r, n in chunks.items()}
         for li, runner in enumerate(runners):
             out = runner.step(h)
             for r in chunks:

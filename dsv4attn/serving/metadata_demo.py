@@ -60,6 +60,8 @@ def run(device: torch.device | None = None) -> dict[str, int]:
         totals[form] = step.total_bytes_written
         if form == "full":
             swa, c4, c128 = step.swa, step.compressed[4], step.compressed[128]
+            # form "full" builds the decode rows and lengths
+            assert swa.decode_lens is not None and c128.decode_lens is not None and c128.global_decode is not None
             print("\nper decode token (form 'full', engine-compatible):")
             print(f"  {'seq_len':>8} | {'SWA len':>7} | {'C4 slot':>8} | {'C128 len':>8} | first C128A global slots")
             for t, (_, s) in enumerate(REQUESTS[: batch.num_decode_tokens]):

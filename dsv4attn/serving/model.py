@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class PagedDeepseekV4:
         num_speculative_tokens: int = 0,
     ) -> None:
         model, hf_layers = _hf_parts(hf_model)
-        config = hf_model.config
+        config: Any = hf_model.config  # a transformers DeepseekV4Config
         ratios = [max(1, int(r)) for r in AttentionConfig.from_hf(config).compress_ratios]
         bad = sorted({r for r in ratios if r not in PAGED_RATIOS})
         if bad:
@@ -141,6 +142,7 @@ class PagedDeepseekV4:
         if self._ids is None:
             raise RuntimeError("forward_step() outside a step: call begin_step() first")
         plan = self.engine._plan
+        assert plan is not None  # begin_step() opened it (self._ids is set)
         if rows is not None:
             if all_tokens:
                 raise ValueError("give all_tokens or rows, not both")
@@ -161,7 +163,7 @@ class PagedDeepseekV4:
             elif not all_tokens:
                 h = h[:, torch.tensor([o + n - 1 for o, n in plan.offsets().values()], device=self.device)]
             h = model.norm(model.hc_head(h))
-            return self.hf_model.lm_head(h)[0].float()
+            return cast(nn.Module, self.hf_model.lm_head)(h)[0].float()
         except BaseException:
             self.abort_step()
             raise
@@ -254,19 +256,20 @@ def reference_generate(hf_model: nn.Module, prompts: Sequence[Sequence[int]], ma
                        progress: Callable[[int], None] | None = None) -> list[list[int]]:
     """The oracle: transformers' own ``generate(do_sample=False)`` one prompt at a time, with
     eager attention (the only transformers path with the sinks) and no early stop."""
-    impl = getattr(hf_model.config, "_attn_implementation", None)
+    hf: Any = hf_model  # a transformers model: config, generation_config and generate are dynamic
+    impl = getattr(hf.config, "_attn_implementation", None)
     if impl != "eager":
         if hasattr(hf_model, "set_attn_implementation"):
-            hf_model.set_attn_implementation("eager")
+            hf.set_attn_implementation("eager")
         else:
-            hf_model.config._attn_implementation = "eager"
+            hf.config._attn_implementation = "eager"
     dev = next(hf_model.parameters()).device
-    gc = copy.deepcopy(hf_model.generation_config)
+    gc = copy.deepcopy(hf.generation_config)
     gc.do_sample, gc.max_new_tokens, gc.eos_token_id, gc.pad_token_id = False, max_new_tokens, None, 0
     out = []
     for p in prompts:
         ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
-        gen = hf_model.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
+        gen = hf.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
         out.append(gen[0, ids.shape[1]:].tolist())
         if progress is not None:
             progress(ids.shape[1] + max_new_tokens)

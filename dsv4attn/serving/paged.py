@@ -47,7 +47,7 @@ class LayerCaches:
     """
 
     kv_cache_dtype: str
-    layout: FP8DSMLALayout
+    layout: FP8DSMLALayout | None  # None for kv_cache_dtype 'auto'
     swa: torch.Tensor
     compressed: torch.Tensor | None = None
     indexer_k: torch.Tensor | None = None
@@ -104,6 +104,8 @@ def indexer_topk(
     """Request-local top-k int32 ``[T, topk]`` (-1 padded) of every token over the entries
     ``0 .. (p+1)//r - 1`` of its request's indexer-K cache."""
     idx = layer.indexer
+    # callers pass CSA layers only, whose caches the engine allocates with an indexer-K cache
+    assert idx is not None and caches.indexer_k is not None
     eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
     q, w = idx.queries(qr, hidden, cos, sin)
     return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
@@ -128,6 +130,8 @@ def layer_step(
     sets = [CandidateSet(caches.swa, sw.lengths, block_table=sw.block_table, token_to_req=t2r,
                          starts=sw.starts, layout=caches.layout if kcd == "fp8_ds_mla" else None)]
     if layer.compressor is not None:
+        # the engine allocates compressed + state caches and a state table for every compressing layer
+        assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
                                         cm.slot_mapping, layer.rotary, impl)
@@ -135,7 +139,9 @@ def layer_step(
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
         if layer.kind == "csa":
-            ientries, islots = run_compressor(layer.indexer, hidden, pos, t2r, caches.indexer_state, state_table,
+            idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
+            assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
+            ientries, islots = run_compressor(idx, hidden, pos, t2r, caches.indexer_state, state_table,
                                               cm.slot_mapping, layer.rotary, impl)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
             local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl)

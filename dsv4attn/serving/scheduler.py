@@ -99,7 +99,7 @@ class ContinuousBatcher:
         clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
         if clashes:
             raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
-        waiting, running = list(reqs), []
+        waiting, running = list(reqs), list[_Request]()
         reserved = 0
         while waiting or running:
             tokens: dict = {}

@@ -137,7 +137,7 @@ class SpeculativeBatcher(ContinuousBatcher):
         clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
         if clashes:
             raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
-        waiting, running, reserved = list(reqs), [], 0
+        waiting, running, reserved = list(reqs), list[_Request](), 0
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         try:
@@ -152,7 +152,8 @@ class SpeculativeBatcher(ContinuousBatcher):
                 budget, reserved = self._fill_prefills(running, waiting, tokens, budget, reserved)
                 plan = model.begin_step({("generate", rid): t for rid, t in tokens.items()})
                 offsets = plan.offsets()
-                rows, where = [], {}
+                rows: list[int] = []
+                where: dict[int, tuple[int, int]] = {}
                 by_id = {r.rid: r for r in running}
                 for rid in tokens:
                     r = by_id[rid]

@@ -11,7 +11,7 @@ transformers path with sinks), so the model is directly usable as the oracle.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -61,7 +61,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         p.copy_(v.to(p.dtype))
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
-            num_experts = model.config.n_routed_experts
+            num_experts: int = cast(Any, model).config.n_routed_experts  # a transformers model's config
             rows = [torch.randperm(num_experts, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]
             b.copy_(torch.stack(rows).to(b.dtype))
     return model
@@ -77,4 +77,5 @@ def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: tor
     model = DeepseekV4ForCausalLM(config)
     randomize_(model, seed)
     model.generation_config.eos_token_id = None  # random weights: generate exactly max_new_tokens
-    return model.to(device=device, dtype=dtype).eval()
+    # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy sees the unbound signature
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
