@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4attn.kv_cache.slots import entry_slots
+
 
 def pool_window_rows(rows: torch.Tensor, valid: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """rows fp32 ``[N, L, 2*coff*D]`` (window order), valid bool ``[N, L]`` -> pooled fp32 ``[N, D]``."""
@@ -50,12 +52,8 @@ def state_row_slots(positions: torch.Tensor, req: torch.Tensor, block_table: tor
     Invalid (negative position, column beyond the table, block id outside ``[0, num_blocks)``):
     slot 0, valid False.
     """
-    pos = positions.long()
-    col = torch.div(pos.clamp(min=0), block_size, rounding_mode="floor")
-    ok = (pos >= 0) & (col < block_table.shape[1])
-    blk = block_table[req.long(), col.clamp(max=max(block_table.shape[1] - 1, 0))].long()
-    ok = ok & (blk >= 0) & (blk < num_blocks)
-    slot = blk * block_size + torch.remainder(pos.clamp(min=0), block_size)
+    slot = entry_slots(block_table, req, positions, block_size)  # the one slot formula (-1 = hole)
+    ok = (slot >= 0) & (slot < num_blocks * block_size)  # also: a block id past the cache
     return torch.where(ok, slot, torch.zeros_like(slot)), ok
 
 

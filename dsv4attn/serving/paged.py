@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4attn.kv_cache.layout import FP8DSMLALayout
+from dsv4attn.kv_cache.slots import entry_slots
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.compressor import Compressor
 from dsv4attn.metadata import StepMetadata, StepMetadataBuilder
@@ -61,12 +62,8 @@ def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.T
 
     Invalid (negative position, column beyond the table or a freed/-1 block): slot 0, valid False.
     """
-    pos = positions.long()
-    col = torch.div(pos.clamp(min=0), block_size, rounding_mode="floor")
-    ok = (pos >= 0) & (col < block_table.shape[1])
-    blk = block_table[req.long(), col.clamp(max=max(block_table.shape[1] - 1, 0))].long()
-    ok = ok & (blk >= 0)
-    slot = blk * block_size + torch.remainder(pos.clamp(min=0), block_size)
+    slot = entry_slots(block_table, req, positions, block_size)  # the one slot formula (-1 = hole)
+    ok = slot >= 0
     return torch.where(ok, slot, torch.zeros_like(slot)), ok
 
 
