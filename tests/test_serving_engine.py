@@ -139,3 +139,35 @@ def test_refused_steps_leave_survivors_equal_to_a_control():
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     assert _state(test) == _state(control)
+
+
+def test_deterministic_mode_reaches_the_attention_op(monkeypatch):
+    """deterministic=True on the runner / engine is what every layer step hands the attention op
+    (its batch-invariant mode: no split-KV chosen from the batch); the default hands False; a
+    non-bool is refused up front."""
+    import dsv4attn.serving.paged as paged
+    from dsv4attn.serving.runner import AttentionRunner
+    from dsv4attn.testing import hf_oracle
+
+    seen: list[bool] = []
+    real = paged.sparse_mla_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "sparse_mla_attention", spy)
+    hf = hf_oracle.small_hf_config(compress_rates={"compressed_sparse_attention": 4,
+                                                   "heavily_compressed_attention": 128})
+    layer = DeepseekV4Attention(AttentionConfig.from_hf(hf), 2)
+    layer.load_state_dict(hf_oracle.hf_reference_layer(hf, 2, seed=1).state_dict())
+    x = torch.randn(5, hf.hidden_size, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for det in (True, False):
+        r = AttentionRunner(layer, num_blocks=16, max_model_len=64, max_num_batched_tokens=32, max_num_reqs=2,
+                            deterministic=det)
+        outs[det] = r.step({"a": x})["a"]
+        assert seen[-1] is det
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)  # CPU: one reference path either way
+    with pytest.raises(TypeError, match="deterministic"):
+        AttentionRunner(layer, num_blocks=16, max_model_len=64, deterministic=1)

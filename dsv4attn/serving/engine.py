@@ -115,6 +115,9 @@ class PagedAttentionEngine:
         num_speculative_tokens: k (0..7): steps of up to 1 + k tokens per request go down the
             decode path, and a request can roll back up to k computed tokens since its last
             commit (sliding-window blocks are kept that much longer; pools sized for it).
+        deterministic: batch-invariant attention: no split-KV chosen from the batch, so a
+            request's output bits do not depend on which requests share its steps (default
+            False: split-KV from a wave model of the batch, faster at small batches).
     """
 
     def __init__(
@@ -129,8 +132,12 @@ class PagedAttentionEngine:
         max_num_reqs: int = 256,
         impl: str = "auto",
         num_speculative_tokens: int = 0,
+        deterministic: bool = False,
     ) -> None:
         layers = list(layers)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        self.deterministic = deterministic
         if not layers:
             raise ValueError("layers must hold at least one DeepseekV4Attention")
         for i, layer in enumerate(layers):
@@ -443,7 +450,7 @@ class PagedAttentionEngine:
             return graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
-                              plan.state_tables.get(layer.ratio), impl=self.impl)
+                              plan.state_tables.get(layer.ratio), impl=self.impl, deterministic=self.deterministic)
 
     def end_step(self) -> StepPlan:
         """Close the step: its tokens count as computed (sliding groups release blocks)."""

@@ -125,7 +125,7 @@ class DecodeGraphs:
         eng = self.engine
         layer = eng.layers[i]
         return layer_step(layer, hidden, self.steps[bucket], eng.builder, eng.caches[i],
-                          self.state_table(bucket, layer.ratio), impl=eng.impl)
+                          self.state_table(bucket, layer.ratio), impl=eng.impl, deterministic=eng.deterministic)
 
     def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
         """Layer i on the prepared step: hidden ``[R * query_len, hidden]`` -> same shape (a copy)."""

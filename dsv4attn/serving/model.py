@@ -65,6 +65,8 @@ class PagedDeepseekV4:
         max_num_batched_tokens: token budget of a step; max_num_reqs: live requests at once.
         num_speculative_tokens: most draft tokens a step verifies per request (0..7); sizes the
             rollback headroom of the caches (see :class:`PagedAttentionEngine`).
+        deterministic: batch-invariant attention (no split-KV chosen from the batch size; see
+            ``sparse_mla_attention``); default False: split-KV from a wave model of the batch.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class PagedDeepseekV4:
         max_num_batched_tokens: int = 2048,
         max_num_reqs: int = 16,
         num_speculative_tokens: int = 0,
+        deterministic: bool = False,
     ) -> None:
         model, hf_layers = _hf_parts(hf_model)
         config: Any = hf_model.config  # a transformers DeepseekV4Config
@@ -106,7 +109,8 @@ class PagedDeepseekV4:
         self.engine = self._make_engine(
             layers, kv_cache_dtype, num_blocks=num_blocks, memory_bytes=memory_bytes, device=dev,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            max_num_reqs=max_num_reqs, impl=impl, num_speculative_tokens=num_speculative_tokens)
+            max_num_reqs=max_num_reqs, impl=impl, num_speculative_tokens=num_speculative_tokens,
+            deterministic=deterministic)
         self.device, self.dtype = self.engine.device, dtype
         self.max_model_len = max_model_len
         self._adapters = [_PagedSelfAttention(self.engine, i) for i in range(len(layers))]

@@ -110,7 +110,7 @@ def indexer_topk(
 
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
-    caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto",
+    caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto", deterministic: bool = False,
 ) -> torch.Tensor:
     """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
     batch = step.batch
@@ -151,5 +151,6 @@ def layer_step(
     # The Triton kernel multiplies on bf16 tensor cores whatever q's dtype; an fp32 layer asks
     # for fp32 attention, which the reference computes.
     attn_impl = impl if q.dtype == torch.bfloat16 else "reference"
-    attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(), impl=attn_impl)
+    attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(),
+                                   deterministic=deterministic, impl=attn_impl)
     return layer.project_out(attn, cos, sin)

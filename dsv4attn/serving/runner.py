@@ -33,6 +33,7 @@ class AttentionRunner:
         device: where caches and compute live (default: the layer's device).
         max_num_batched_tokens / max_num_reqs: per-step / live-request limits; max_model_len:
             per-request limit. impl: kernel path of every op ("auto" | "triton" | "reference").
+        deterministic: batch-invariant attention (see :class:`PagedAttentionEngine`).
     """
 
     def __init__(
@@ -45,13 +46,14 @@ class AttentionRunner:
         max_model_len: int = 65536,
         max_num_reqs: int = 256,
         impl: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         if not isinstance(layer, DeepseekV4Attention):
             raise TypeError(f"layer must be a DeepseekV4Attention, got {type(layer).__name__}")
         self.engine = PagedAttentionEngine(
             [layer], kv_cache_dtype, num_blocks=num_blocks, device=device,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            max_num_reqs=max_num_reqs, impl=impl)
+            max_num_reqs=max_num_reqs, impl=impl, deterministic=deterministic)
         self.layer = layer
 
     # ---- views of the engine -----------------------------------------------------------------
