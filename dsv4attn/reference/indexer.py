@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4attn.kv_cache.slots import entry_slots
 from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 
 #: Elements of the reference's per-chunk temporaries ([tokens, entries, max(D, H)] fp32): the
@@ -96,11 +97,11 @@ def indexer_candidates(block_table: torch.Tensor, token_to_req: torch.Tensor, le
     """Entries ``0 .. num_entries-1`` of each token -> (global slot int64 ``[T, N]`` (0 where not a
     candidate), candidate bool ``[T, N]``) by the rule in the module docstring."""
     e = torch.arange(num_entries, device=lengths.device)
-    col = torch.div(e, block_size, rounding_mode="floor")
-    in_table = col < block_table.shape[1]
-    blk = block_table[token_to_req.long()][:, col.clamp(max=max(block_table.shape[1] - 1, 0))].long()
-    ok = (e[None, :] < lengths.long()[:, None]) & in_table[None, :] & (blk >= 0) & (blk < num_blocks)
-    slot = blk * block_size + torch.remainder(e, block_size)[None, :]
+    req = token_to_req.long()
+    row_ok = (req >= 0) & (req < block_table.shape[0])
+    live = (e[None, :] < lengths.long()[:, None]) & row_ok[:, None]
+    slot = entry_slots(block_table, torch.where(row_ok, req, 0)[:, None], e[None, :], block_size, live)
+    ok = (slot >= 0) & (slot < num_blocks * block_size)  # the one slot formula, plus ids past the cache
     return torch.where(ok, slot, torch.zeros_like(slot)), ok
 
 
