@@ -152,3 +152,36 @@ def test_dcp_refuses_an_interleave_that_does_not_divide_a_block(tmp_path):
         DCPAttentionRunner(random_layer(small_config(), 2), interleave=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_runners_refuse_bad_chunks_by_name_before_any_change(tmp_path):
+    """AttentionRunner and DCPAttentionRunner share one chunk check (serving.runner.check_chunks):
+    each bad step raises naming the request, and the runners' pools are untouched."""
+    import torch.distributed as dist
+
+    from dsv4attn.serving.runner import AttentionRunner
+
+    layer = random_layer(small_config(), 1)
+    hs = layer.config.hidden_size
+    bad = [(["not a dict"], TypeError, "chunks must be a dict"),
+           ({"a": [1.0]}, TypeError, r"chunks\['a'\] must be a torch.Tensor"),
+           ({"a": torch.zeros(2, hs + 1)}, ValueError, r"chunks\['a'\] must be \[n, "),
+           ({"a": torch.zeros(0, hs)}, ValueError, r"chunks\['a'\] is empty"),
+           ({"a": torch.zeros(2, hs, dtype=torch.float64)}, ValueError, r"chunks\['a'\] must be torch.float32")]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        runners = [AttentionRunner(layer, num_blocks=16, max_model_len=64, max_num_batched_tokens=32, max_num_reqs=2),
+                   DCPAttentionRunner(layer, num_blocks=16, max_model_len=64, max_num_batched_tokens=32, max_num_reqs=2)]
+        def free_blocks(runner):
+            if isinstance(runner, DCPAttentionRunner):
+                return {name: m.pool.num_free for name, m in runner.managers.items()}
+            return {g: runner.engine.num_free_blocks(g) for g in runner.engine.num_blocks}
+
+        for runner in runners:
+            before = free_blocks(runner)
+            for chunks, err, match in bad:
+                with pytest.raises(err, match=match):
+                    runner.step(chunks)
+            assert free_blocks(runner) == before
+    finally:
+        dist.destroy_process_group()

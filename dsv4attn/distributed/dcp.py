@@ -44,7 +44,7 @@ from dsv4attn.kv_cache.specs import CacheConfig, cache_groups, layer_cache_specs
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
 from dsv4attn.serving.paged import LayerCaches
-from dsv4attn.serving.runner import KV_CACHE_DTYPES, PAGED_RATIOS
+from dsv4attn.serving.runner import KV_CACHE_DTYPES, PAGED_RATIOS, check_chunks
 
 #: Default tokens per grow/advance of :meth:`DCPAttentionRunner.reserve`.
 RESERVE_CHUNK = 256
@@ -210,19 +210,9 @@ class DCPAttentionRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def _validate(self, chunks: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, int]:
-        if not isinstance(chunks, Mapping):
-            raise TypeError(f"chunks must be a dict request_id -> hidden states, got {type(chunks).__name__}")
-        hs = self.layer.config.hidden_size
+        check_chunks(chunks, self.layer.config.hidden_size, self.dtype, self.device)
         starts, total = {}, 0
         for rid, x in chunks.items():
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"chunks[{rid!r}] must be a torch.Tensor, got {type(x).__name__}")
-            if x.dim() != 2 or x.shape[1] != hs:
-                raise ValueError(f"chunks[{rid!r}] must be [n, {hs}], got shape {tuple(x.shape)}")
-            if x.shape[0] == 0:
-                raise ValueError(f"chunks[{rid!r}] is empty: every request in a step needs >= 1 token")
-            if x.dtype != self.dtype or x.device != self.device:
-                raise ValueError(f"chunks[{rid!r}] must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
             start = self._computed.get(rid, 0)
             if start + x.shape[0] > self.max_model_len:
                 raise ValueError(f"request {rid!r} would reach {start + x.shape[0]} tokens > max_model_len="

@@ -21,6 +21,25 @@ from dsv4attn.serving.engine import KV_CACHE_DTYPES, PAGED_RATIOS, PagedAttentio
 __all__ = ["AttentionRunner", "KV_CACHE_DTYPES", "PAGED_RATIOS"]
 
 
+def check_chunks(chunks: object, hidden_size: int, dtype: torch.dtype, device: torch.device) -> dict[Hashable, int]:
+    """A layer step's input ``{request id: hidden [n, hidden_size]}`` (n >= 1, ``dtype`` on
+    ``device``) -> ``{request id: n}``; ``TypeError`` / ``ValueError`` naming the request."""
+    if not isinstance(chunks, Mapping):
+        raise TypeError(f"chunks must be a dict request_id -> hidden states, got {type(chunks).__name__}")
+    counts = {}
+    for rid, x in chunks.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"chunks[{rid!r}] must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != hidden_size:
+            raise ValueError(f"chunks[{rid!r}] must be [n, {hidden_size}], got shape {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError(f"chunks[{rid!r}] is empty: every request in a step needs >= 1 token")
+        if x.dtype != dtype or x.device != device:
+            raise ValueError(f"chunks[{rid!r}] must be {dtype} on {device}, got {x.dtype} on {x.device}")
+        counts[rid] = int(x.shape[0])
+    return counts
+
+
 class AttentionRunner:
     """Runs ``layer`` for many requests at once over paged caches.
 
@@ -103,21 +122,7 @@ class AttentionRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def _validate(self, chunks: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, int]:
-        if not isinstance(chunks, Mapping):
-            raise TypeError(f"chunks must be a dict request_id -> hidden states, got {type(chunks).__name__}")
-        hs = self.layer.config.hidden_size
-        counts = {}
-        for rid, x in chunks.items():
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"chunks[{rid!r}] must be a torch.Tensor, got {type(x).__name__}")
-            if x.dim() != 2 or x.shape[1] != hs:
-                raise ValueError(f"chunks[{rid!r}] must be [n, {hs}], got shape {tuple(x.shape)}")
-            if x.shape[0] == 0:
-                raise ValueError(f"chunks[{rid!r}] is empty: every request in a step needs >= 1 token")
-            if x.dtype != self.dtype or x.device != self.device:
-                raise ValueError(f"chunks[{rid!r}] must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
-            counts[rid] = int(x.shape[0])
-        return counts
+        return check_chunks(chunks, self.layer.config.hidden_size, self.dtype, self.device)
 
     @torch.no_grad()
     def step(self, chunks: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
