@@ -15,11 +15,9 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from dsv4attn.config import AttentionConfig  # noqa: E402
-from dsv4attn.layers.attention import DeepseekV4Attention  # noqa: E402
 from dsv4attn.serving.engine import PagedAttentionEngine  # noqa: E402
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate  # noqa: E402
-from dsv4attn.serving.tiny import randomize_, tiny_hf_config, tiny_hf_model  # noqa: E402
+from dsv4attn.serving.tiny import tiny_attention_layers, tiny_hf_model  # noqa: E402
 
 
 def test_static_padded_decode_equals_eager_and_transformers(monkeypatch):
@@ -36,15 +34,7 @@ def test_static_padded_decode_equals_eager_and_transformers(monkeypatch):
     assert used and set(used) <= {1, 2, 4}
 
 
-def _layers(seed, ratios=(0, 4, 128), dtype=torch.bfloat16, device="cuda"):
-    hf = tiny_hf_config(compress_ratios=ratios, index_topk=8)
-    cfg = AttentionConfig.from_hf(hf)
-    layers = []
-    for i in range(len(ratios)):
-        layer = DeepseekV4Attention(cfg, i)
-        randomize_(layer, seed + i)
-        layers.append(layer.to(device=device, dtype=dtype).eval())
-    return layers
+_layers = tiny_attention_layers
 
 
 def _script(rng, steps=330):

@@ -17,11 +17,9 @@ pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from test_spec_generate import NoisyOracleDrafter
 
-from dsv4attn.config import AttentionConfig
-from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.engine import PagedAttentionEngine
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
-from dsv4attn.serving.tiny import randomize_, tiny_hf_config, tiny_hf_model
+from dsv4attn.serving.tiny import tiny_attention_layers, tiny_hf_model
 
 
 def test_static_padded_verify_steps_equal_transformers(monkeypatch):
@@ -43,15 +41,7 @@ def test_static_padded_verify_steps_equal_transformers(monkeypatch):
     assert pm.requests == []
 
 
-def _layers(seed, ratios=(0, 4, 128), dtype=torch.bfloat16, device="cuda"):
-    hf = tiny_hf_config(compress_ratios=ratios, index_topk=8)
-    cfg = AttentionConfig.from_hf(hf)
-    layers = []
-    for i in range(len(ratios)):
-        layer = DeepseekV4Attention(cfg, i)
-        randomize_(layer, seed + i)
-        layers.append(layer.to(device=device, dtype=dtype).eval())
-    return layers
+_layers = tiny_attention_layers
 
 
 def _script(rng, steps=200, k=3):

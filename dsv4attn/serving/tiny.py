@@ -79,3 +79,20 @@ def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: tor
     model.generation_config.eos_token_id = None  # random weights: generate exactly max_new_tokens
     # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to): mypy sees the unbound signature
     return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
+
+
+def tiny_attention_layers(seed: int, ratios: tuple[int, ...] = (0, 4, 128), dtype: torch.dtype = torch.bfloat16,
+                          device: torch.device | str = "cuda") -> list:
+    """One randomized ``DeepseekV4Attention`` per entry of ``ratios`` (tiny config, top-k 8) on
+    ``device`` in ``dtype``: the layers the engine and graph tests drive without a whole model."""
+    from dsv4attn.config import AttentionConfig
+    from dsv4attn.layers.attention import DeepseekV4Attention
+
+    cfg = AttentionConfig.from_hf(tiny_hf_config(compress_ratios=ratios, index_topk=8))
+    layers = []
+    for i in range(len(ratios)):
+        layer = DeepseekV4Attention(cfg, i)
+        randomize_(layer, seed + i)
+        layers.append(layer.to(device=device, dtype=dtype).eval())
+    return layers
+
