@@ -1,7 +1,8 @@
 """Shared Triton helpers (@triton.jit only): addressing of the candidate-set contract and the
 integer encoders of the page formats.
 
-- :func:`entry_slot` / :func:`block_slot`: the entry -> block table -> slot formula of
+- :func:`entry_slot` / :func:`block_slot` (= :func:`block_id` then :func:`slot_of`): the
+  entry -> block table -> slot formula of
   :mod:`dsv4attn.kv_cache.slots` with its one meaning of holes (slot -1; invalid lanes read
   column 0 of their row and never form an address outside the table).
 - :func:`page_offset`: a slot's page offset and entry index in int64 (``block * stride``
@@ -18,16 +19,30 @@ import triton.language as tl
 
 
 @triton.jit
+def block_id(bt_ptr, req, col, valid, stride_bt_req, stride_bt_col, max_blocks):
+    """``block_table[req, col]``: the one memory read of the slot formula, -1 where ``valid``
+    is false or the column is outside ``[0, max_blocks)`` (no address outside the table is
+    formed). Kernels that pipeline their gathers issue it early and finish with :func:`slot_of`."""
+    valid = valid & (col >= 0) & (col < max_blocks)
+    col = tl.where(valid, col, 0)
+    return tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col,
+                   mask=valid, other=-1)
+
+
+@triton.jit
+def slot_of(blk, off, block_size):
+    """Slot (int64, -1 for holes) of offset ``off`` in block ``blk`` (a negative id is a hole),
+    and its validity."""
+    valid = blk >= 0
+    slot = blk.to(tl.int64) * block_size + off.to(tl.int64)
+    return tl.where(valid, slot, -1), valid
+
+
+@triton.jit
 def block_slot(bt_ptr, req, col, off, valid, stride_bt_req, stride_bt_col, max_blocks, block_size):
     """``block_table[req, col] * block_size + off`` (int64) and its validity: ``valid``, the column
     inside ``[0, max_blocks)`` and a block id >= 0. Holes get slot -1."""
-    valid = valid & (col >= 0) & (col < max_blocks)
-    col = tl.where(valid, col, 0)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt_req + col.to(tl.int64) * stride_bt_col,
-                  mask=valid, other=-1)
-    valid = valid & (blk >= 0)
-    slot = blk.to(tl.int64) * block_size + off.to(tl.int64)
-    return tl.where(valid, slot, -1), valid
+    return slot_of(block_id(bt_ptr, req, col, valid, stride_bt_req, stride_bt_col, max_blocks), off, block_size)
 
 
 @triton.jit

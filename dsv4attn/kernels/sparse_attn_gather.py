@@ -15,6 +15,45 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4attn.kernels.common import block_id
+
+
+@triton.jit
+def _candidate_entry(t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
+                     IS_RANGE: tl.constexpr):
+    """The one global read of candidates ``j`` of token ``t``'s slot lookup (int32, -1 when
+    invalid): the index entry (indices form) or the block id of entry ``start + j`` in the
+    request's block-table row (range form, :func:`dsv4attn.kernels.common.block_id`). Issued
+    early by pipelined kernels; :func:`_candidate_place` finishes the lookup."""
+    valid = j < length
+    if IS_RANGE:
+        e = start + j
+        valid = valid & (e >= 0)
+        e = tl.where(valid, e, 0)
+        x = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
+    else:
+        x = tl.load(idx_ptr + t.to(tl.int64) * stride_idx + tl.where(valid, j, 0), mask=valid, other=-1)
+    return x
+
+
+@triton.jit
+def _candidate_place(x, j, start, block_size, capacity, IS_RANGE: tl.constexpr):
+    """Block id (int64), offset in block (int64) and validity from :func:`_candidate_entry`'s
+    ``x`` (a slot inside ``[0, capacity)`` is valid; -1 and holes are not). The block / offset
+    split is int32 arithmetic (slots < capacity < 2^31): no 64-bit division in the gather."""
+    if IS_RANGE:
+        off = (start + j) % block_size  # start + j >= 0 wherever x >= 0
+        valid = (x >= 0) & (x.to(tl.int64) * block_size + off < capacity)
+        blk = x
+    else:
+        valid = (x >= 0) & (x < capacity)
+        xs = tl.where(valid, x, 0)
+        blk = xs // block_size
+        off = xs % block_size
+    blk = tl.where(valid, blk, 0)
+    off = tl.where(valid, off, 0)
+    return blk.to(tl.int64), off.to(tl.int64), valid
+
 
 @triton.jit
 def _candidate_slots(
@@ -22,22 +61,9 @@ def _candidate_slots(
     IS_RANGE: tl.constexpr,
 ):
     """Block id (int64), offset in block (int64) and validity of candidates ``j`` of token ``t``."""
-    valid = j < length
-    if IS_RANGE:
-        e = tl.where(valid, start + j, 0)
-        col = e // block_size
-        valid = valid & (col < max_blocks) & (e >= 0)
-        col = tl.where(valid, col, 0)
-        blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + col, mask=valid, other=-1)
-        valid = valid & (blk >= 0)
-        slot = blk.to(tl.int64) * block_size + e % block_size
-    else:
-        jj = tl.where(valid, j, 0)
-        slot = tl.load(idx_ptr + t.to(tl.int64) * stride_idx + jj, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (slot >= 0)
-    valid = valid & (slot < capacity)
-    slot = tl.where(valid, slot, 0)
-    return slot // block_size, slot % block_size, valid
+    x = _candidate_entry(t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
+                         IS_RANGE)
+    return _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
 
 
 @triton.jit

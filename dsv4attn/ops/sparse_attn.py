@@ -54,6 +54,13 @@ class KernelConfig:
     v_split: int = 1
     #: Software-pipelined gather (next chunk's page loads in flight during this chunk's MMAs).
     prefetch: bool = False
+    #: Run the Gluon sm90 kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90`) where it applies
+    #: (:func:`uses_sm90`): Hopper, 64-head tiles, head dim 512, fp8 pages of the 448 + 64
+    #: layout or bf16 pages, no max logits.
+    sm90: bool = False
+    #: Profiling only (scripts/attn_variants.py): parts of the sm90 kernel to skip (1 dequant,
+    #: 2 MMAs, 4 page gathers); 0 in every production config.
+    sm90_skip: int = 0
 
 
 def kernel_config(
@@ -79,7 +86,24 @@ def kernel_config(
             sms = _sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
             num_splits = pick_splits(progs, sms, min(_MAX_SPLITS, max(1, math.ceil(max_candidates / block_n))))
-    return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages)
+    return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages,
+                        sm90=block_h == 64 and head_dim == 512 and _sm90_kernel_available(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_kernel_available(device: torch.device) -> bool:
+    """True on Hopper (compute capability 9.x) when Triton's Gluon sm90 API imports (Triton
+    3.6 or a compatible release); the portable kernel runs everywhere else."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return False
+    try:
+        from dsv4attn.kernels import sparse_attn_sm90  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the Triton release
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -451,6 +475,25 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     b_args = _set_args(b) if b is not a else a_args
     # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
     masks = (15,) if cfg.v_split == 1 or _geo(*geo_key)["P1"] == 0 else (1, 14)
+    if uses_sm90(cfg, sets, geo_key[1], max_logits is not None):
+        from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
+
+        _sparse_mla_attn_sm90_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0),
+            mx, mx.stride(0),
+            part_o, part_lse,
+            sink,
+            *a_args, *b_args,
+            num_heads, qk_scale, split_base, total, cfg.num_splits,
+            A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
+            WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
+            A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
+            SKIP=cfg.sm90_skip,
+            num_warps=NUM_WARPS, num_stages=1,
+        )
+        return
     launch = kernels._sparse_mla_attn_kernel[grid]
     for v_mask in masks:
         launch(
@@ -464,6 +507,28 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             num_heads, qk_scale, split_base, total, cfg.num_splits,
             **_decode_constexprs(cfg, geo_key, flags, v_mask),
         )
+
+
+def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None, want_max: bool) -> bool:
+    """Whether a per-token launch runs the Gluon sm90 kernel: the config allows it (Hopper,
+    64-head tiles, head dim 512, no d_v split / prefetch / lazy variant), no max logits are
+    asked for, and the pages are all fp8 of the production layout (448 NoPE + 64 RoPE dims,
+    64-dim tiles, 576 data and 8 scale bytes per entry) or all bf16 (512 contiguous values per
+    entry), with 16-byte aligned rows (its gathers are 16-byte cp.async copies). Everything
+    else runs the portable kernel."""
+    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch and not cfg.lazy_rescale and not want_max):
+        return False
+    if all(s.is_fp8 for s in sets):
+        return (layout is not None and layout.nope_dim == 448 and layout.rope_dim == 64 and layout.tile == 64
+                and layout.data_bytes == 576 and layout.scale_bytes == 8 and all(_aligned16(s, 1) for s in sets))
+    return all(s.cache.dtype == torch.bfloat16 and s.cache.stride(-1) == 1 and _aligned16(s, 2) for s in sets)
+
+
+def _aligned16(s: CandidateSet, elem_bytes: int) -> bool:
+    """Block and entry strides multiples of 16 elements and a 16-byte aligned base (what lets
+    Triton prove 16-byte aligned rows)."""
+    c = s.cache
+    return c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 and (elem_bytes == 1 or c.stride(1) % 16 == 0)
 
 
 def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,

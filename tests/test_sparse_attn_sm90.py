@@ -1,0 +1,108 @@
+"""The Gluon sm90 attention kernel (Hopper only) against the fp64 oracle and the portable kernel.
+
+Same tolerance rule as tests/test_sparse_attn.py (error vs fp64 <= 2x the bf16 run's error, inf
+positions of lse equal, no NaN from the NaN-poisoned unused pages). The cases cover what the
+dispatcher sends to it: production fp8 layout, 33..128 heads (64-head tiles, masked rows), both
+set forms with holes and lengths, split-KV partials, sinks of every kind, fp32 q/out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+from dsv4attn.ops.sparse_attn import KernelConfig, _launch, _sm90_kernel_available, kernel_config, uses_sm90
+from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, make_sink, oracle
+
+ON_HOPPER = torch.cuda.is_available() and _sm90_kernel_available(torch.device("cuda"))
+_skip_off_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with Triton's Gluon sm90 API")
+
+
+def needs_hopper(fn):
+    return pytest.mark.gpu(_skip_off_hopper(fn))
+
+# (id, num_heads, num_tokens, set specs, num_splits, sink kind, num_reqs)
+CASES = [
+    ("h64-idx+idx", 64, 6, [SetSpec("indices", True, 64, 512), SetSpec("indices", True, 64, 128)], 1, "finite", 3),
+    ("h128-idx+range", 128, 4, [SetSpec("indices", True, 64, 300), SetSpec("range", True, 64, 129)], 1, "inf", 2),
+    ("h40-range-split3", 40, 3, [SetSpec("range", True, 16, 700)], 3, "none", 3),
+    ("h96-idx-split2", 96, 5, [SetSpec("indices", True, 32, 200, hole_frac=0.4)], 2, "finite", 2),
+    ("h64-idx+range-split4", 64, 2, [SetSpec("indices", True, 64, 1000), SetSpec("range", True, 64, 65)], 4,
+     "finite", 1),
+    # bf16 pages (the prefill kv of engines that keep bf16 caches): K stages filled by cp.async.
+    ("bf16-h64-idx+idx", 64, 5, [SetSpec("indices", False, 64, 700), SetSpec("indices", False, 16, 100)], 1,
+     "finite", 2),
+    ("bf16-h128-range-split2", 128, 3, [SetSpec("range", False, 32, 300, hole_frac=0.3)], 2, "inf", 3),
+]
+
+
+def _inputs(case, device, q_dtype=torch.bfloat16):
+    _, num_heads, num_tokens, specs, num_splits, sink_kind, num_reqs = case
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
+    token_to_req = [t * num_reqs // num_tokens for t in range(num_tokens)]
+    built = [build_set(s, num_tokens, token_to_req, PROD_LAYOUT, gen, device) for s in specs]
+    q = torch.randn(num_tokens, num_heads, PROD_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(q_dtype)
+    sink = make_sink(num_heads, sink_kind, gen)
+    return q, built, sink, num_splits
+
+
+def _run(q, built, sink, num_splits, sm90: bool, device):
+    num_tokens, num_heads, d = q.shape
+    cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
+    assert cfg.sm90 is True
+    cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90)
+    sets = [b.cset for b in built]
+    assert uses_sm90(cfg, sets, PROD_LAYOUT, False) is sm90
+    qd = q.to(device)
+    out = torch.empty_like(qd)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+    _launch(qd, sets, 0.09, None if sink is None else sink.to(device), out, lse, None, num_splits, config=cfg)
+    return out, lse
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_matches_fp64_oracle_and_portable_kernel(case):
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(case, device)
+    out, lse = _run(q, built, sink, num_splits, True, device)
+    ref = oracle(q, built, 0.09, sink)
+    assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+    p_out, p_lse = _run(q, built, sink, num_splits, False, device)
+    # Same math, different MMA order: within the bf16 rounding of the output.
+    torch.testing.assert_close(out.float(), p_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, p_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_hopper
+def test_sm90_fp32_q_and_out():
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(CASES[0], device, torch.float32)
+    out, lse = _run(q, built, sink, num_splits, True, device)
+    assert out.dtype == torch.float32
+    assert_matches(out, lse, oracle(q, built, 0.09, sink), oracle(q, built, 0.09, sink, low_precision=True), "fp32")
+
+
+def test_dispatch_rules():
+    """Only the production fp8 layout, no max logits, no variant configs (runs everywhere)."""
+    cfg = KernelConfig(64, 64, 1, 8, 1, sm90=True)
+    gen = torch.Generator().manual_seed(0)
+    prod = build_set(SetSpec("indices", True, 64, 64), 1, [0], PROD_LAYOUT, gen, "cpu").cset
+    small = build_set(SetSpec("indices", True, 16, 16), 1, [0], SMALL_LAYOUT, gen, "cpu").cset
+    bf16 = build_set(SetSpec("indices", False, 64, 64), 1, [0], PROD_LAYOUT, gen, "cpu").cset
+    assert uses_sm90(cfg, [prod, prod], PROD_LAYOUT, False)
+    assert not uses_sm90(cfg, [prod], PROD_LAYOUT, True)  # max logits
+    assert not uses_sm90(cfg, [prod, bf16], PROD_LAYOUT, False)  # a bf16 set
+    assert not uses_sm90(cfg, [small], SMALL_LAYOUT, False)
+    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1), [prod], PROD_LAYOUT, False)
+    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1, v_split=2, sm90=True), [prod], PROD_LAYOUT, False)
+    assert uses_sm90(cfg, [bf16], None, False)
+    # Rows not 16-byte aligned (a view one byte into the cache) cannot take 16-byte cp.async.
+    shifted = dataclasses.replace(prod, cache=torch.empty(prod.cache.numel() + 1, dtype=torch.uint8)[1:].view(
+        prod.cache.shape))
+    assert not uses_sm90(cfg, [shifted], PROD_LAYOUT, False)
+    if not torch.cuda.is_available():
+        assert kernel_config(4, 64, 512, 640, torch.device("cpu")).sm90 is False
