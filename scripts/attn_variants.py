@@ -10,6 +10,7 @@ the host time of one eager FlashMLA-compatible call (launch overhead, no device 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -18,22 +19,24 @@ import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
 from benchmarks.common import median_us
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config
+from dsv4attn.ops.sparse_attn import _launch, kernel_config
 
-#: (label, block_h, block_n, warps, stages, v_split, prefetch, lazy)
+#: (label, overrides of the default KernelConfig). The sm90 "skip" variants time the Gluon
+#: kernel with parts left out (1 dequant, 2 MMAs, 4 page gathers; results then differ): what
+#: each part costs when the others run.
+#: (heads, batch) of the decode cases timed.
+CASES = ((64, 256), (128, 256), (64, 64))
 VARIANTS = [
-    ("base 64/32/w8", 64, 32, 8, 1, 1, False, False),
-    ("64/64/w8", 64, 64, 8, 1, 1, False, False),
-    ("prefetch", 64, 32, 8, 1, 1, True, False),
-    ("vsplit2", 64, 32, 8, 1, 2, False, False),
-    ("vsplit2 prefetch", 64, 32, 8, 1, 2, True, False),
-    ("vsplit2 64/64", 64, 64, 8, 1, 2, False, False),
-    ("vsplit2 stages2", 64, 32, 8, 2, 2, False, False),
-    ("vsplit2 prefetch lazy", 64, 32, 8, 1, 2, True, True),
-    ("base lazy", 64, 32, 8, 1, 1, False, True),
-    ("vsplit2 64/16", 64, 16, 8, 1, 2, False, False),
+    ("default", {}),
+    ("portable 64/64/w8", dict(sm90=False)),
+    ("sm90 no dequant", dict(sm90_skip=1)),
+    ("sm90 no mma", dict(sm90_skip=2)),
+    ("sm90 no gather", dict(sm90_skip=4)),
+    ("sm90 gather only", dict(sm90_skip=3)),
+    ("sm90 mma only", dict(sm90_skip=5)),
+    ("sm90 dequant only", dict(sm90_skip=6)),
+    ("sm90 loop only", dict(sm90_skip=7)),
 ]
-
 
 def sets_for(b: int, gen) -> list[CandidateSet]:
     out = []
@@ -47,7 +50,7 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for h, b in ((64, 256), (128, 256), (64, 64), (64, 1024)):
+    for h, b in CASES:
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(b, gen)
         sink = torch.randn(h, device="cuda", generator=gen)
@@ -56,9 +59,9 @@ def main() -> None:
         ref_o, ref_l = dsv4attn.sparse_mla_attention(q, sets, SCALE, sink)
         base = kernel_config(b, h, D, 640, q.device)
         print(f"decode h{h} B{b} (default {base})", flush=True)
-        for label, bh, bn, w, st, vs, pf, lazy in VARIANTS:
+        for label, over in VARIANTS:
             for splits in sorted({base.num_splits, 1}):
-                cfg = KernelConfig(bh, bn, splits, w, st, lazy, v_split=vs, prefetch=pf)
+                cfg = dataclasses.replace(base, num_splits=splits, **over)
                 try:
                     _launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                     d_o = (out.float() - ref_o.float()).abs().max().item()

@@ -7,6 +7,9 @@
 #                                                     #   kernel tests; GPU 1 meanwhile: benchmarks
 #   bash scripts/gpu_final.sh dist                    # both GPUs: scripts/gpu_distributed.sh all
 #
+# Knobs (env): SKIP_VS=1 (no side-by-side table), MODEL_S / MODEL_ARGS and SPEC_S / SPEC_ARGS
+# (time limit and arguments of bench_model / bench_spec), MEMCHECK_S.
+#
 # FLASHMLA_SAVED: a folder with flash_mla.tgz.part* (FlashMLA built earlier on the same image by
 # scripts/gpu_vs_flashmla.sh); without it bench_vs_flashmla prints dsv4attn's times alone.
 # Logs: one folder, packed into $OUT/<phase>_logs.tgz (the device tool returns few files), plus
@@ -31,16 +34,18 @@ if [ "$phase" = suite ]; then
     export CUDA_VISIBLE_DEVICES=0
     timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -rs tests > "$logs/pytest.log" 2>&1
     echo "pytest rc=$?" >> "$logs/pytest.log"
-    timeout 90 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attn_hardening.py tests/test_indexer_ops.py \
-      tests/test_compressor_ops.py tests/test_kv_writers.py > "$logs/memcheck.log" 2>&1
+    timeout "${MEMCHECK_S:-200}" compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attn_sm90.py tests/test_sparse_attn_hardening.py \
+      tests/test_indexer_ops.py tests/test_compressor_ops.py tests/test_kv_writers.py > "$logs/memcheck.log" 2>&1
     echo "memcheck rc=$?" >> "$logs/memcheck.log"
   ) &
   (
     export CUDA_VISIBLE_DEVICES=1
-    timeout 150 python3 -m benchmarks.bench_vs_flashmla "${fm[@]}" --graphs --json "$logs/vs.json" > "$logs/vs.txt" 2>&1
-    timeout 150 python3 -m benchmarks.bench_model > "$logs/bench_model.txt" 2>&1
-    timeout 80 python3 -m benchmarks.bench_spec > "$logs/bench_spec.txt" 2>&1
+    if [ -z "${SKIP_VS:-}" ]; then
+      timeout 150 python3 -m benchmarks.bench_vs_flashmla "${fm[@]}" --graphs --json "$logs/vs.json" > "$logs/vs.txt" 2>&1
+    fi
+    timeout "${MODEL_S:-150}" python3 -m benchmarks.bench_model ${MODEL_ARGS:-} > "$logs/bench_model.txt" 2>&1
+    timeout "${SPEC_S:-80}" python3 -m benchmarks.bench_spec ${SPEC_ARGS:-} > "$logs/bench_spec.txt" 2>&1
   ) &
   wait
   { echo "== pytest"; tail -n 25 "$logs/pytest.log"; echo "== memcheck"; grep -E "ERROR SUMMARY|rc=|passed|failed" "$logs/memcheck.log" | tail -n 8

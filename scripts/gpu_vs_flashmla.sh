@@ -46,7 +46,7 @@ for step in "$@"; do
     sweep) timeout 300 python3 -m scripts.attn_variants > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;
-    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
+    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs ${VS_ONLY:+--only "$VS_ONLY"} \
           --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,0 +1,42 @@
+"""Launch the default decode attention kernel a few times on one case, for Nsight Compute.
+
+    ncu -k regex:sparse_mla_attn --launch-skip 2 -c 1 --section WarpStateStats \\
+        python3 -m scripts.attn_profile --heads 64 --batch 256
+
+Same inputs as ``scripts/attn_variants.py`` (512 + 128 fp8 candidates per token, sink).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from benchmarks.bench_vs_flashmla import SCALE, D
+from dsv4attn.ops.sparse_attn import _launch, kernel_config
+from scripts.attn_variants import sets_for
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--skip", type=int, default=0, help="sm90 kernel parts to skip (KernelConfig.sm90_skip)")
+    a = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    sets = sets_for(a.batch, gen)
+    sink = torch.randn(a.heads, device="cuda", generator=gen)
+    out = torch.empty_like(q)
+    lse = torch.empty(a.batch, a.heads, device="cuda")
+    cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, 640, q.device), sm90_skip=a.skip)
+    for _ in range(a.launches):
+        _launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+    torch.cuda.synchronize()
+    print(cfg)
+
+
+if __name__ == "__main__":
+    main()
