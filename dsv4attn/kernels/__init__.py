@@ -1,6 +1,8 @@
-"""Triton kernels: ``@triton.jit`` functions only, no policy (launchers live in ``dsv4attn.ops``).
+"""Triton kernels: ``@triton.jit`` functions (and, for Hopper, ``@gluon.jit``) only, no policy (launchers
+live in ``dsv4attn.ops``).
 
 - ``common``: shared helpers (the entry -> block table -> slot formula, int64 page offsets,
   integer e4m3 / bf16 encoders);
-- ``cache_ops``: cache writers; ``metadata``: per-step metadata; ``sparse_attn*``: attention.
+- ``cache_ops``: cache writers; ``metadata``: per-step metadata; ``sparse_attn*``: attention
+  (``sparse_attn_sm90``: the Gluon kernel for Hopper, imported only where it can run).
 """
