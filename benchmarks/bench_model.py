@@ -162,7 +162,10 @@ def generate_rows(args, dev, dtype) -> list[Row]:
                              max_num_batched_tokens=max(B, 8192 if not args.small else 256))
         if graphs:
             pm.enable_cuda_graphs(buckets=(B,), capture=dev.type == "cuda")
-        pm.generate(prompts[:2], 2)  # warm-up (kernel compiles)
+        # Warm-up with the timed batch itself: Triton compiles a kernel per specialisation
+        # (constexprs, and ints that are 1 or multiples of 16), so a small warm-up batch leaves
+        # the timed run compiling the shapes of the full batch's prefill chunks and decodes.
+        pm.generate(prompts, 2)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
