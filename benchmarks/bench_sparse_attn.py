@@ -19,7 +19,8 @@ from benchmarks.common import Ceilings, Row, base_parser, floor_us, median_us, p
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import fp8_ds_mla_view
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config, sparse_mla_attention
+from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch
 
 D = LAYOUT.head_dim  # 512
 SCALE = D**-0.5
@@ -122,7 +123,7 @@ def sweep(q, sets, ceil: Ceilings, configs=None) -> list[Row]:
         splits = base.num_splits  # 1 at B = 256 (the grid fills the GPU)
         cfg = KernelConfig(bh, bn, splits, w, st)
         try:
-            us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
+            us = median_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
         except Exception as e:  # noqa: BLE001 - report configs that fail to compile or launch
             print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -134,7 +135,7 @@ def sweep(q, sets, ceil: Ceilings, configs=None) -> list[Row]:
     variants = [(k, False) for k in (1, 2, 3, 4, 6)] + [(base.num_splits, True)]
     for splits, lazy in variants:  # split-KV also evens out the last wave (B * tiles / SMs programs)
         cfg = KernelConfig(base.block_h, base.block_n, splits, base.num_warps, base.num_stages, lazy)
-        us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
+        us = median_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=20)
         row = Row(f"sweep h{num_heads} B{num_tokens} default k{splits}" + (" lazy" if lazy else ""), us,
                   flops(num_tokens, num_heads, n), decode_bytes(num_tokens, num_heads, n))
         print(f"  default with splits={splits}{' lazy_rescale' if lazy else ''}: {us:8.1f} us "

@@ -29,7 +29,8 @@ import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import kernel_config, sparse_mla_forward
+from dsv4attn.ops.sparse_attn import sparse_mla_forward
+from dsv4attn.ops.sparse_attn_launch import kernel_config
 
 
 @dataclass

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from benchmarks.bench_vs_flashmla import SCALE, D
-from dsv4attn.ops.sparse_attn import _launch, kernel_config
+from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
 from scripts.attn_variants import sets_for
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     lse = torch.empty(a.batch, a.heads, device="cuda")
     cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, 640, q.device), sm90_skip=a.skip)
     for _ in range(a.launches):
-        _launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+        launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
     torch.cuda.synchronize()
     print(cfg)
 

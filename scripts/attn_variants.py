@@ -2,7 +2,7 @@
 
 Cases as in ``benchmarks/bench_vs_flashmla.py`` (fp8_ds_mla pages written by dsv4attn, 512
 disjoint top-k + 128 SWA candidates per token, both indices form, sink); the variants are
-:class:`dsv4attn.ops.sparse_attn.KernelConfig` values launched through ``_launch``. Also prints
+:class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
     python3 -m scripts.attn_variants      # from the repository root
@@ -19,7 +19,7 @@ import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
 from benchmarks.common import median_us
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import _launch, kernel_config
+from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
 
 #: (label, overrides of the default KernelConfig). The sm90 "skip" variants time the Gluon
 #: kernel with parts left out (1 dequant, 2 MMAs, 4 page gathers; results then differ): what
@@ -63,10 +63,10 @@ def main() -> None:
             for splits in sorted({base.num_splits, 1}):
                 cfg = dataclasses.replace(base, num_splits=splits, **over)
                 try:
-                    _launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+                    launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                     d_o = (out.float() - ref_o.float()).abs().max().item()
                     d_l = (lse - ref_l).abs().max().item()
-                    us = median_us(lambda: _launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
+                    us = median_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
                                    warmup_ms=5, rep_ms=30)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)

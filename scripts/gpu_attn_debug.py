@@ -26,7 +26,8 @@ import torch
 if not torch.cuda.is_available():  # CPU: Triton's interpreter (as tests/conftest.py does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, kernel_config, sparse_mla_attention  # noqa: E402
+from dsv4attn.ops.sparse_attn import sparse_mla_attention  # noqa: E402
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch  # noqa: E402
 from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SetSpec, build_set, make_sink, oracle  # noqa: E402
 
 #: (BLOCK_H, BLOCK_N, num_warps, num_stages); the first is the config that failed on Triton 3.6.
@@ -107,7 +108,7 @@ def main() -> None:
                     else:
                         out = torch.empty_like(qd)
                         lse = torch.empty(num_tokens, num_heads, device=device)
-                        _launch(qd, sets, scale, sd, out, lse, None, None, cfg)
+                        launch(qd, sets, scale, sd, out, lse, None, None, cfg)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     err, bound, lerr, ok = errors(out, lse, ref, base)

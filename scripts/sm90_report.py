@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from dsv4attn.kernels.sparse_attn import _sparse_mla_attn_kernel, _sparse_mla_combine_kernel
 from dsv4attn.kernels.sparse_attn_prefill import _sparse_mla_prefill_kernel
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAY
-from dsv4attn.ops.sparse_attn import geometry
+from dsv4attn.ops.sparse_attn_launch import geometry
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: Integer arguments that are multiples of 16 in real launches (strides of q/out/pages).

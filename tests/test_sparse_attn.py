@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, pick_splits, sparse_mla_attention
+from dsv4attn.ops.sparse_attn import sparse_mla_attention
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, launch, pick_splits
 from dsv4attn.testing.attention_oracle import (
     PROD_LAYOUT,
     SMALL_LAYOUT,
@@ -190,7 +191,7 @@ def test_lazy_rescale_matches_oracle(num_heads, device):
     for splits in (1, 3):
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
-        _launch(q.to(device), [b.cset for b in built], 0.6, sink.to(device), out, lse, None, None,
+        launch(q.to(device), [b.cset for b in built], 0.6, sink.to(device), out, lse, None, None,
                 KernelConfig(16 if num_heads <= 16 else 32, 16, splits, 4, 1, True))
         assert_matches(out, lse, ref, base, f"lazy splits {splits}")
 
@@ -276,7 +277,7 @@ def test_kernel_configs_prod_layout(cfg, num_heads, device):
     for splits in (1, 2):
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
-        _launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None,
+        launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None,
                 KernelConfig(cfg[0], cfg[1], splits, cfg[2], cfg[3], cfg[4]))
         assert_matches(out, lse, ref, base, f"config {cfg} splits {splits}")
 
@@ -343,5 +344,5 @@ def test_prefetch_and_v_split_match_oracle(variant, layout, device):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
         cfg = KernelConfig(64 if num_heads > 32 else 16, 16, splits, 8 if num_heads > 32 else 4, 1, lazy,
                            v_split=v_split, prefetch=prefetch)
-        _launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None, cfg)
+        launch(q.to(device), [b.cset for b in built], scale, sink.to(device), out, lse, None, None, cfg)
         assert_matches(out, lse, ref, base, f"variant {variant} splits {splits}")

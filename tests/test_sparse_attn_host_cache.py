@@ -14,6 +14,7 @@ import torch
 
 from dsv4attn.flashmla_compat import flash_mla_with_kvcache, get_mla_metadata
 from dsv4attn.ops import sparse_attn as sa
+from dsv4attn.ops import sparse_attn_launch as sl
 from dsv4attn.ops.candidate_set import CandidateSet, layout_for
 from dsv4attn.testing.attention_oracle import (
     PROD_LAYOUT,
@@ -62,21 +63,21 @@ def test_changed_heads_tokens_dtype_layout_after_cached_call(device):
 def test_cached_config_equals_uncached_and_keys_the_device(monkeypatch):
     """The config LRU returns exactly kernel_config's answer, per device index (SM counts
     differ between devices; a cached answer of one device must not serve another)."""
-    monkeypatch.setattr(sa, "_sm_count", lambda dev: {0: 132, 1: 16}[dev.index])
-    monkeypatch.setattr(sa, "_sm90_kernel_available", lambda dev: dev.index == 0)  # no real device 1 needed
-    sa._cached_config.cache_clear()
+    monkeypatch.setattr(sl, "_sm_count", lambda dev: {0: 132, 1: 16}[dev.index])
+    monkeypatch.setattr(sl, "sm90_kernel_available", lambda dev: dev.index == 0)  # no real device 1 needed
+    sl._cached_config.cache_clear()
     try:
         for args in [(64, 64, 512, 640), (64, 128, 512, 640), (4096, 64, 512, 640), (1, 8, 80, 33)]:
             for dev in (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")):
                 for splits, det in [(None, False), (None, True), (3, False)]:
-                    want = sa.kernel_config(*args, dev, splits, det)
-                    assert sa._cached_config(*args, dev, splits, det) == want
-                    assert sa._cached_config(*args, dev, splits, det) == want  # served from the cache
+                    want = sl.kernel_config(*args, dev, splits, det)
+                    assert sl._cached_config(*args, dev, splits, det) == want
+                    assert sl._cached_config(*args, dev, splits, det) == want  # served from the cache
         # h64 B64 splits on the 132-SM device, not on the 16-SM one: the device is in the key.
-        assert sa._cached_config(64, 64, 512, 640, torch.device("cuda", 0), None, False).num_splits == 2
-        assert sa._cached_config(64, 64, 512, 640, torch.device("cuda", 1), None, False).num_splits == 1
+        assert sl._cached_config(64, 64, 512, 640, torch.device("cuda", 0), None, False).num_splits == 2
+        assert sl._cached_config(64, 64, 512, 640, torch.device("cuda", 1), None, False).num_splits == 1
     finally:
-        sa._cached_config.cache_clear()
+        sl._cached_config.cache_clear()
 
 
 def test_bad_input_after_good_call_is_refused_before_any_write(device):

@@ -14,10 +14,10 @@ import zlib
 import pytest
 import torch
 
-from dsv4attn.ops.sparse_attn import KernelConfig, _launch, _sm90_kernel_available, kernel_config, uses_sm90
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch, sm90_kernel_available, uses_sm90
 from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, make_sink, oracle
 
-ON_HOPPER = torch.cuda.is_available() and _sm90_kernel_available(torch.device("cuda"))
+ON_HOPPER = torch.cuda.is_available() and sm90_kernel_available(torch.device("cuda"))
 _skip_off_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with Triton's Gluon sm90 API")
 
 
@@ -59,7 +59,7 @@ def _run(q, built, sink, num_splits, sm90: bool, device):
     qd = q.to(device)
     out = torch.empty_like(qd)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    _launch(qd, sets, 0.09, None if sink is None else sink.to(device), out, lse, None, num_splits, config=cfg)
+    launch(qd, sets, 0.09, None if sink is None else sink.to(device), out, lse, None, num_splits, config=cfg)
     return out, lse
 
 

@@ -16,7 +16,7 @@ Variants (constexprs, measured on the H200 and off by default, see docs/design.m
 ``PREFETCH`` software-pipelines the gather one chunk ahead; ``V_MASK`` keeps only some of the
 accumulators, so that the 512-wide d_v can be split across two launches.
 
-Geometry constexprs (host: ``dsv4attn.ops.sparse_attn.geometry``): ``P0, P1, P2`` NoPE part
+Geometry constexprs (host: ``dsv4attn.ops.sparse_attn_launch.geometry``): ``P0, P1, P2`` NoPE part
 widths (0 = unused) and ``Z0, Z1, Z2`` their tensor widths (= P, or 16 when unused); ``TAIL``
 = HEAD_DIM - NOPE (0 = none) and ``R`` its padded width (>= 16).
 """

@@ -4,7 +4,7 @@ Same contract and arguments as :func:`dsv4attn.kernels.sparse_attn._sparse_mla_a
 (one program per query token x 64-head tile x split; candidates of up to two sets; sink; final
 or split-KV partial outputs), restricted to what DeepSeek-V4 serves: head dim 512 = 448 fp8
 NoPE dims (seven 64-dim tiles with UE8M0 scales) + 64 bf16 RoPE dims, 64 heads per program,
-8 warps, no max-logit output. The launcher (:mod:`dsv4attn.ops.sparse_attn`) picks it only
+8 warps, no max-logit output. The launcher (:mod:`dsv4attn.ops.sparse_attn_launch`) picks it only
 where it applies and keeps the portable Triton kernel for everything else.
 
 Why it is faster than the portable kernel (docs/design.md, "Attention kernel"): the portable

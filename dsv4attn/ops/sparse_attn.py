@@ -1,8 +1,9 @@
 """Public op: sparse MLA attention with attention sink over paged caches (decode and prefill).
 
-``sparse_mla_attention`` validates, allocates, then runs the Triton kernels
-(:mod:`dsv4attn.kernels.sparse_attn`) or the PyTorch reference
-(:mod:`dsv4attn.reference.sparse_attn`), chosen by :func:`dsv4attn.device.resolve_impl`.
+``sparse_mla_attention`` / ``sparse_mla_forward`` validate, allocate, then run the kernels
+through :func:`dsv4attn.ops.sparse_attn_launch.launch` (kernel choice, tile sizes, split-KV) or
+the PyTorch reference (:mod:`dsv4attn.reference.sparse_attn`), chosen by
+:func:`dsv4attn.device.resolve_impl`.
 """
 
 from __future__ import annotations
@@ -11,148 +12,16 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.device import resolve_impl
-from dsv4attn.kv_cache.layout import FP8DSMLALayout
-from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set, layout_for
+from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set
+from dsv4attn.ops.sparse_attn_launch import common_layout, launch, set_layout
 
-_INT32_MAX = 2**31 - 1
 #: Head-count limit (DeepSeek-V4 has 64 or 128 query heads per rank at most).
 MAX_HEADS = 128
-#: Cost of one split-KV split (partial write + combine read) relative to one unsplit program.
-_SPLIT_OVERHEAD = 0.15
-#: Most candidate splits a token is cut into (each costs a partial write + read of h*D fp32).
-_MAX_SPLITS = 16
-#: Rows (tokens x heads) of one prefill tile; the shared-range kernel is used up to this many
-#: heads (more heads already fill a per-token tile, whose entries L2 shares across tokens).
-_PREFILL_ROWS = 64
-_PREFILL_MAX_HEADS = 32
-#: Prefill kernel launch (64-row tiles): 4 warps spill ~3x more than 8 on sm90.
-_PREFILL_BLOCK_N = 32
-_PREFILL_WARPS = 8
-#: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
-_COMBINE_BLOCK_H = 16
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of the attention kernel (a pure function of shapes and device)."""
-
-    block_h: int
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-    #: Online-softmax rescaling only when a row max grows by > 2^8 (never with max logits).
-    lazy_rescale: bool = False
-    #: Programs the 512-wide d_v is split across (1, or 2: dims [0, 256) and [256, 512) in two
-    #: launches that each compute the full QK but keep half the accumulators).
-    v_split: int = 1
-    #: Software-pipelined gather (next chunk's page loads in flight during this chunk's MMAs).
-    prefetch: bool = False
-    #: Run the Gluon sm90 kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90`) where it applies
-    #: (:func:`uses_sm90`): Hopper, 64-head tiles, head dim 512, fp8 pages of the 448 + 64
-    #: layout or bf16 pages, no max logits.
-    sm90: bool = False
-    #: Profiling only (scripts/attn_variants.py): parts of the sm90 kernel to skip (1 dequant,
-    #: 2 MMAs, 4 page gathers); 0 in every production config.
-    sm90_skip: int = 0
-
-
-def kernel_config(
-    num_tokens: int, num_heads: int, head_dim: int, max_candidates: int, device: torch.device,
-    num_splits: int | None = None, deterministic: bool = False,
-) -> KernelConfig:
-    """Pick tile sizes (edit here to retune; ``benchmarks/bench_sparse_attn.py --sweep`` times
-    the alternatives). All heads of a tile share one dequantisation per entry (h = 128 runs two
-    64-head tiles, i.e. dequantises each entry twice); split-KV only when ``num_tokens *
-    head_tiles`` cannot fill the GPU. Small head tiles run 4 warps (Triton 3.6 miscompiled the
-    16-head tile at 8 warps with 16-wide chunks). ``deterministic``: no split-KV unless
-    ``num_splits`` is given, so nothing depends on the batch size."""
-    block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
-    # H200, 448 + 64 (scripts/attn_variants.py, 2026-11-30): 64-head tiles at 8 warps run
-    # 11-13% faster with 64-wide chunks than with 32 (h64 B256 217 vs 246 us); smaller tiles
-    # keep 32 (measured earlier; their 8-warp 16-wide variant miscompiled on Triton 3.6).
-    block_n = 64 if block_h == 64 or head_dim <= 256 else 32
-    num_warps = 8 if block_h >= 32 and head_dim > 128 else 4
-    num_stages = 1
-    if num_splits is None:
-        num_splits = 1
-        if device.type == "cuda" and not deterministic:
-            sms = _sm_count(device)
-            progs = max(1, num_tokens * math.ceil(num_heads / block_h))
-            num_splits = pick_splits(progs, sms, min(_MAX_SPLITS, max(1, math.ceil(max_candidates / block_n))))
-    return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages,
-                        sm90=block_h == 64 and head_dim == 512 and _sm90_kernel_available(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90_kernel_available(device: torch.device) -> bool:
-    """True on Hopper (compute capability 9.x) when Triton's Gluon sm90 API imports (Triton
-    3.6 or a compatible release); the portable kernel runs everywhere else."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index)[0] != 9:
-        return False
-    try:
-        from dsv4attn.kernels import sparse_attn_sm90  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the Triton release
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def pick_splits(programs: int, slots: int, max_splits: int) -> int:
-    """Split-KV factor in ``1..max_splits`` with the least modelled time for ``programs``
-    (token, head-tile) programs on ``slots`` concurrent program slots (one per SM: the 448 + 64
-    kernels use all registers): ``waves(s) * (1 / s + overhead)``, where the overhead of a split
-    (fp32 partial write + combine read, L2-resident) is ``_SPLIT_OVERHEAD`` of one unsplit
-    program. Ties go to fewer splits. E.g. 132 SMs: 64 programs -> 2, 128 or 256 -> 1, 1 -> 16."""
-    best, best_cost = 1, float(math.ceil(programs / slots))
-    for s in range(2, max_splits + 1):
-        cost = math.ceil(programs * s / slots) * (1.0 / s + _SPLIT_OVERHEAD)
-        if cost < best_cost - 1e-9:
-            best, best_cost = s, cost
-    return best
-
-
-def geometry(head_dim: int, nope_dim: int | None) -> dict:
-    """Head-dim parts of the kernels (see :mod:`dsv4attn.kernels.sparse_attn`): NoPE dims
-    ``[0, nope)`` cut into at most three power-of-two parts of 64..256 dims (448 = 256 + 128 +
-    64), the tail ``[nope, head_dim)`` as one part padded to a power of two >= 16. ``nope_dim``
-    comes from the fp8 layout; ``None`` (bf16 pages only): the largest multiple of 64.
-    Raises ``ValueError`` when the NoPE dims need more than three parts, an fp8 layout more than
-    8 scale tiles (the kernels read them as two 32-bit words), or the tail exceeds 64."""
-    nope = nope_dim if nope_dim is not None else head_dim // 64 * 64
-    tail = head_dim - nope
-    parts, left = [], nope // 64
-    while left:
-        p = min(4, 1 << (left.bit_length() - 1))
-        parts.append(64 * p)
-        left -= p
-    if len(parts) > 3 or tail > 64 or (nope_dim is not None and nope > 512):
-        raise ValueError(f"head_dim {head_dim} with {nope} NoPE dims is not supported by the kernels "
-                         "(at most 3 power-of-two NoPE parts of <= 256 dims, <= 8 fp8 scale tiles, "
-                         "<= 64 tail dims)")
-    parts += [0] * (3 - len(parts))
-    return dict(
-        HEAD_DIM=head_dim, NOPE=nope, P0=parts[0], P1=parts[1], P2=parts[2],
-        Z0=parts[0] or 16, Z1=parts[1] or 16, Z2=parts[2] or 16,
-        TAIL=tail, R=max(16, 1 << max(0, tail - 1).bit_length()),
-    )
 
 
 def sparse_mla_attention(
@@ -236,7 +105,7 @@ def sparse_mla_forward(
         check_candidate_set(f"sets[{i}]", s, num_tokens, head_dim, device)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise TypeError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
-    lay = _common_layout(tuple(_set_layout(s, head_dim, i) for i, s in enumerate(sets)), head_dim)  # raises
+    lay = common_layout(tuple(set_layout(s, head_dim, i) for i, s in enumerate(sets)), head_dim)  # raises
     if attn_sink is not None:
         check_tensor("attn_sink", attn_sink, dtype=torch.float32, shape=(num_heads,), device=device)
     if out is not None:
@@ -269,15 +138,9 @@ def sparse_mla_forward(
     max_logits = torch.empty_like(lse) if want_max else None
     if num_tokens == 0:
         return out, lse, max_logits
-    _launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, 1 if want_max else num_splits,
+    launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, 1 if want_max else num_splits,
             prefill=prefill, deterministic=deterministic, layout=lay)
     return out, lse, max_logits
-
-
-# Host-cost caches (issue 9). Each wraps a pure function of its (hashable) arguments: shapes,
-# dtypes, layouts, device ids, flags. No result depends on call history, only the time to get
-# it; sizes are bounded (an LRU of a few hundred entries) so a shape sweep cannot grow memory.
-_CACHE_SIZE = 512
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -293,271 +156,9 @@ def _resolve_impl_cuda(impl: str, device: torch.device) -> str:
     return resolve_impl(impl, device)
 
 
-def _set_layout(s: CandidateSet, head_dim: int, i: int) -> FP8DSMLALayout | None:
-    """:func:`resolve_layout` of ``sets[i]`` through its cached pure core."""
-    return layout_for(s.layout, head_dim, int(s.cache.shape[2]), f"sets[{i}]") if s.is_fp8 else None
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _common_layout(lays: tuple, head_dim: int) -> FP8DSMLALayout | None:
-    """The one fp8 layout of the sets (None: bf16/fp32 pages only); raises ``ValueError`` for
-    mixed layouts, rope_dim > 64 or a head_dim the kernels do not support."""
-    fp8_layouts = {x for x in lays if x is not None}
-    if len(fp8_layouts) > 1:
-        raise ValueError(f"all fp8 sets must share one layout, got {sorted(map(str, fp8_layouts))}")
-    if any(lay.rope_dim > lay.tile for lay in fp8_layouts):
-        raise ValueError(f"fp8 layouts with rope_dim > 64 are not supported, got {fp8_layouts}")
-    lay = next(iter(fp8_layouts), None)
-    geometry(head_dim, lay.nope_dim if lay else None)  # raises if unsupported
-    return lay
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _geo(head_dim: int, lay: FP8DSMLALayout | None, out_bf16: bool, cpu: bool) -> dict:
-    """Geometry constexprs of the kernels (callers never mutate the returned dict)."""
-    return dict(
-        geometry(head_dim, lay.nope_dim if lay else None),
-        DATA_BYTES=lay.data_bytes if lay else 0, SCALE_BYTES=lay.scale_bytes if lay else 0,
-        OUT_BF16=out_bf16,
-        CPU_INTERP=cpu,  # interpreter workarounds (see the kernel module)
-    )
-
-
-#: :func:`kernel_config` through an LRU (its device argument carries the index, so the SM
-#: count it reads is that device's).
-_cached_config = functools.lru_cache(maxsize=_CACHE_SIZE)(lambda *a: kernel_config(*a))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _decode_constexprs(cfg: KernelConfig, geo_key: tuple, flags: tuple, v_mask: int) -> dict:
-    """Keyword arguments (constexprs, warps) of one decode launch; ``geo_key`` the arguments of
-    :func:`_geo`, ``flags`` (A_FP8, A_RANGE, HAS_B, B_FP8, B_RANGE, HAS_SINK, WRITE_MAX,
-    WRITE_PARTIAL, A_LEN, B_LEN)."""
-    a_fp8, a_range, has_b, b_fp8, b_range, has_sink, write_max, write_partial, a_len, b_len = flags
-    return dict(
-        A_FP8=a_fp8, A_RANGE=a_range, HAS_B=has_b, B_FP8=b_fp8, B_RANGE=b_range,
-        HAS_SINK=has_sink, WRITE_MAX=write_max, WRITE_PARTIAL=write_partial,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, LAZY=cfg.lazy_rescale and not write_max,
-        V_MASK=v_mask, PREFETCH=cfg.prefetch, A_LEN=a_len, B_LEN=b_len,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_geo(*geo_key),
-    )
-
-
-@functools.cache
-def _kernel_modules():
-    """The decode and prefill kernel modules, imported on first use (Triton stays out of
-    ``import dsv4attn``); the cache only saves the import statement's cost per call."""
-    from dsv4attn.kernels import sparse_attn, sparse_attn_prefill
-
-    return sparse_attn, sparse_attn_prefill
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a ConstexprFunction: ~2 us per host call
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _dense(s: CandidateSet) -> CandidateSet:
     """``s`` with contiguous per-token vectors (lengths, starts, token_to_req)."""
     fields = {k: getattr(s, k).contiguous() for k in ("lengths", "starts", "token_to_req")
               if getattr(s, k) is not None and not getattr(s, k).is_contiguous()}
     return dataclasses.replace(s, **fields) if fields else s
 
-
-def _set_args(s: CandidateSet) -> list:
-    """Kernel arguments of one set (dummy tensors stand in for the unused form's fields)."""
-    c = s.cache
-    c_stride = c.stride()
-    if s.is_range:
-        assert s.block_table is not None  # range form (check_candidate_set proved its fields)
-        idx, stride_idx, width = s.lengths, 0, _INT32_MAX
-        bt, stride_bt, max_blocks = s.block_table, s.block_table.stride(0), s.block_table.shape[1]
-        req, start, num_reqs = s.token_to_req, s.starts, s.block_table.shape[0]
-    else:
-        assert s.indices is not None  # indices form
-        idx, stride_idx, width = s.indices, s.indices.stride(0), s.indices.shape[1]
-        bt, stride_bt, max_blocks, req, start, num_reqs = idx, 0, 0, idx, idx, 0
-    lengths = s.lengths if s.lengths is not None else s.indices  # no lengths: never read (A_LEN/B_LEN)
-    return [c, c_stride[0], c_stride[1], s.block_size, s.capacity,
-            idx, stride_idx, width, lengths, bt, stride_bt, max_blocks, num_reqs, req, start]
-
-
-def _static_width(s: CandidateSet) -> int:
-    """Upper bound on a token's candidates of ``s`` known without reading device data."""
-    if s.indices is not None:
-        return s.indices.shape[1]
-    assert s.block_table is not None  # range form
-    return s.block_table.shape[1] * s.block_size
-
-
-def _launch(
-    q: torch.Tensor,
-    sets: Sequence[CandidateSet],
-    softmax_scale: float,
-    attn_sink: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    max_logits: torch.Tensor | None,
-    num_splits: int | None,
-    config: KernelConfig | None = None,
-    prefill: bool = False,
-    deterministic: bool = False,
-    layout: FP8DSMLALayout | None | bool = False,
-) -> None:
-    """Run the Triton kernels: per-token (split-KV + combine when the config asks for splits),
-    or for ``prefill`` with <= 32 heads the shared-range kernel for range-form sets (merged with
-    a per-token pass over indices-form sets). ``layout``: the sets' fp8 layout when the caller
-    has resolved it (``False``: resolve here). Per-shape decisions come from the caches above."""
-    kernels = _kernel_modules()[0]
-
-    num_tokens, num_heads, head_dim = q.shape
-    if layout is False:
-        layout = _common_layout(tuple(_set_layout(s, head_dim, i) for i, s in enumerate(sets)), head_dim)
-    device = q.device
-    geo_key = (head_dim, layout, out.dtype == torch.bfloat16, device.type == "cpu")
-    geo = _geo(*geo_key)
-    cfg = config or _cached_config(num_tokens, num_heads, head_dim, sum(_static_width(s) for s in sets), device,
-                                   num_splits, deterministic)
-    has_sink = attn_sink is not None
-    sink = attn_sink if has_sink else lse
-    shared = (prefill and num_heads <= _PREFILL_MAX_HEADS and max_logits is None and not deterministic
-              and any(s.is_range for s in sets))
-    if shared:
-        range_sets: Sequence[CandidateSet] = [s for s in sets if s.is_range]
-        index_sets: Sequence[CandidateSet] = [s for s in sets if not s.is_range]
-        passes = [("shared", range_sets)] + ([("per_token", index_sets)] if index_sets else [])
-        total = len(passes)
-    else:
-        passes = [("per_token", sets)]
-        total = cfg.num_splits
-    if total > 1:
-        if max_logits is not None:
-            raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = torch.empty(num_tokens * total * num_heads * head_dim, dtype=torch.float32, device=device)
-        part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=device)
-    else:
-        part_o = part_lse = lse
-    qk_scale = softmax_scale * kernels.LOG2E
-    for split_base, (kind, group) in enumerate(passes):
-        if kind == "shared":
-            _launch_prefill(q, group, out, lse, part_o, part_lse, sink, has_sink, qk_scale,
-                            split_base, total, cfg, geo)
-        else:
-            _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale,
-                           split_base, total, cfg if not shared else dataclasses.replace(cfg, num_splits=1), geo_key)
-    if total > 1:
-        kernels._sparse_mla_combine_kernel[(num_tokens, _cdiv(num_heads, _COMBINE_BLOCK_H))](
-            part_o, part_lse, sink,
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            num_heads, total,
-            HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), HAS_SINK=has_sink,
-            OUT_BF16=geo["OUT_BF16"], BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
-            num_warps=4,
-        )
-
-
-def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
-                   cfg: KernelConfig, geo_key: tuple) -> None:
-    kernels = _kernel_modules()[0]
-
-    num_tokens, num_heads, _ = q.shape
-    a = sets[0]
-    b = sets[1] if len(sets) > 1 else a
-    mx = max_logits if max_logits is not None else lse
-    grid = (num_tokens * _cdiv(num_heads, cfg.block_h), cfg.num_splits)
-    flags = (a.is_fp8, a.is_range, len(sets) > 1, b.is_fp8, b.is_range, has_sink, max_logits is not None, total > 1,
-             a.lengths is not None, b.lengths is not None)
-    a_args = _set_args(a)
-    b_args = _set_args(b) if b is not a else a_args
-    # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
-    masks = (15,) if cfg.v_split == 1 or _geo(*geo_key)["P1"] == 0 else (1, 14)
-    if uses_sm90(cfg, sets, geo_key[1], max_logits is not None):
-        from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
-
-        _sparse_mla_attn_sm90_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            mx, mx.stride(0),
-            part_o, part_lse,
-            sink,
-            *a_args, *b_args,
-            num_heads, qk_scale, split_base, total, cfg.num_splits,
-            A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
-            WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
-            A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
-            SKIP=cfg.sm90_skip,
-            num_warps=NUM_WARPS, num_stages=1,
-        )
-        return
-    launch = kernels._sparse_mla_attn_kernel[grid]
-    for v_mask in masks:
-        launch(
-            q, q.stride(0), q.stride(1),
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            mx, mx.stride(0),
-            part_o, part_lse,
-            sink,
-            *a_args, *b_args,
-            num_heads, qk_scale, split_base, total, cfg.num_splits,
-            **_decode_constexprs(cfg, geo_key, flags, v_mask),
-        )
-
-
-def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None, want_max: bool) -> bool:
-    """Whether a per-token launch runs the Gluon sm90 kernel: the config allows it (Hopper,
-    64-head tiles, head dim 512, no d_v split / prefetch / lazy variant), no max logits are
-    asked for, and the pages are all fp8 of the production layout (448 NoPE + 64 RoPE dims,
-    64-dim tiles, 576 data and 8 scale bytes per entry) or all bf16 (512 contiguous values per
-    entry), with 16-byte aligned rows (its gathers are 16-byte cp.async copies). Everything
-    else runs the portable kernel."""
-    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch and not cfg.lazy_rescale and not want_max):
-        return False
-    if all(s.is_fp8 for s in sets):
-        return (layout is not None and layout.nope_dim == 448 and layout.rope_dim == 64 and layout.tile == 64
-                and layout.data_bytes == 576 and layout.scale_bytes == 8 and all(_aligned16(s, 1) for s in sets))
-    return all(s.cache.dtype == torch.bfloat16 and s.cache.stride(-1) == 1 and _aligned16(s, 2) for s in sets)
-
-
-def _aligned16(s: CandidateSet, elem_bytes: int) -> bool:
-    """Block and entry strides multiples of 16 elements and a 16-byte aligned base (what lets
-    Triton prove 16-byte aligned rows)."""
-    c = s.cache
-    return c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 and (elem_bytes == 1 or c.stride(1) % 16 == 0)
-
-
-def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
-                    cfg: KernelConfig, geo: dict) -> None:
-    kernels = _kernel_modules()[1]
-
-    num_tokens, num_heads, _ = q.shape
-    block_h = _next_pow2(num_heads)
-    block_m = max(1, _PREFILL_ROWS // block_h)
-
-    def args(s: CandidateSet) -> list:
-        c = s.cache
-        assert s.block_table is not None  # shared pass: range-form sets only
-        return [c, c.stride(0), c.stride(1), s.block_size, s.capacity, s.lengths, s.block_table,
-                s.block_table.stride(0), s.block_table.shape[1], s.block_table.shape[0], s.token_to_req, s.starts]
-
-    a = sets[0]
-    b = sets[1] if len(sets) > 1 else sets[0]
-    grid = (_cdiv(num_tokens, block_m), _cdiv(num_heads, block_h))
-    kernels._sparse_mla_prefill_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0),
-        part_o, part_lse,
-        sink,
-        *args(a), *args(b),
-        num_tokens, num_heads, qk_scale, split_base, total,
-        A_FP8=a.is_fp8, HAS_B=len(sets) > 1, B_FP8=b.is_fp8,
-        HAS_SINK=has_sink, WRITE_PARTIAL=total > 1,
-        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=_PREFILL_BLOCK_N,
-        num_warps=_PREFILL_WARPS, num_stages=1, **geo,
-    )
