@@ -106,3 +106,92 @@ def test_dispatch_rules():
     assert not uses_sm90(cfg, [shifted], PROD_LAYOUT, False)
     if not torch.cuda.is_available():
         assert kernel_config(4, 64, 512, 640, torch.device("cpu")).sm90 is False
+
+
+def test_build_failure_falls_back_to_the_portable_kernel(monkeypatch, device):
+    """If the sm90 kernel cannot be built here (another Triton release), the launch warns once
+    and this and every later call run the portable kernel: same outputs, nothing raised."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    calls = []
+
+    class _Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError("PassManager::run failed")
+            return run
+
+    gen = torch.Generator().manual_seed(3)
+    built = [build_set(SetSpec("indices", True, 16, 40), 2, [0, 0], SMALL_LAYOUT, gen, device)]
+    q = torch.randn(2, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    cfg = KernelConfig(16, 16, 1, 4, 1, sm90=True)
+    want_o, want_l = torch.empty_like(q), torch.empty(2, 4, device=device)
+    launch(q, [built[0].cset], 0.1, None, want_o, want_l, None, 1, config=dataclasses.replace(cfg, sm90=False))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda: (_Broken(), 8))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    for i in range(2):
+        out, lse = torch.empty_like(q), torch.empty(2, 4, device=device)
+        if i == 0:
+            with pytest.warns(RuntimeWarning, match="portable Triton kernel"):
+                launch(q, [built[0].cset], 0.1, None, out, lse, None, 1, config=cfg)
+        else:
+            launch(q, [built[0].cset], 0.1, None, out, lse, None, 1, config=cfg)
+        assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    assert len(calls) == 1  # tried once, then never again in this process
+
+
+def test_argument_errors_are_not_swallowed(monkeypatch, device):
+    """Only build / launch failures fall back; anything else from the sm90 call propagates."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    class _Bad:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise TypeError("bad argument")
+            return run
+
+    gen = torch.Generator().manual_seed(4)
+    built = [build_set(SetSpec("indices", True, 16, 20), 1, [0], SMALL_LAYOUT, gen, device)]
+    q = torch.randn(1, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda: (_Bad(), 8))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    with pytest.raises(TypeError, match="bad argument"):
+        launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(1, 4, device=device), None, 1,
+               config=KernelConfig(16, 16, 1, 4, 1, sm90=True))
+    assert sl._sm90_failures == []
+
+
+def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device):
+    """Dispatch: when uses_sm90 holds, the sm90 kernel gets the portable kernel's arguments plus
+    its constexprs, and nothing else runs (no portable launch after it)."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    seen = []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append((grid, len(args), kwargs))
+            return run
+
+    gen = torch.Generator().manual_seed(5)
+    built = [build_set(SetSpec("indices", True, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
+    q = torch.randn(3, 40, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda: (_Ok(), 8))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    out = torch.full_like(q, 7.0)
+    launch(q, [built[0].cset], 0.1, None, out, torch.empty(3, 40, device=device), None, 1,
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True))
+    assert len(seen) == 1 and (out == 7.0).all()  # the (fake) sm90 kernel ran alone
+    grid, nargs, kw = seen[0]
+    # The positional arguments are exactly the real kernel's runtime parameters, the keywords its
+    # constexprs (plus the launch options).
+    from dsv4attn.kernels.sparse_attn_sm90 import _sparse_mla_attn_sm90_kernel as real
+
+    constexprs = [n for n in real.arg_names if n.isupper()]
+    assert grid == (3, 1) and nargs == len(real.arg_names) - len(constexprs)
+    assert set(kw) == set(constexprs) | {"num_warps", "num_stages"} and kw["PAGES_BF16"] is False

@@ -35,6 +35,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place, _clip_range
 
+#: The cp.async copy builtin: ``async_load`` in newer Gluon releases, where the Triton 3.6 name
+#: ``async_copy_global_to_shared`` (same leading arguments) raises.
+_async_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
+#: CTA-wide barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` in newer releases.
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
 #: ln(2): the online softmax runs in base 2 (the host folds log2(e) into qk_scale).
 LN2 = gl.constexpr(0.6931471805599453)
 #: Fixed geometry of this kernel.
@@ -85,19 +91,19 @@ def _issue_chunk(raw_buf, rope_buf, scale_buf, valid_buf, cache_ptr, x, c, start
     t3 = gl.expand_dims(gl.expand_dims(tile, 0), 2)
     c3 = gl.expand_dims(gl.expand_dims(col, 0), 1)
     v3 = gl.expand_dims(gl.expand_dims(valid, 1), 2)
-    cp.async_copy_global_to_shared(raw_buf, cache_ptr + d3 + t3 * 64 + c3, mask=v3 & (t3 < 7))
+    _async_load(raw_buf, cache_ptr + d3 + t3 * 64 + c3, mask=v3 & (t3 < 7))
     rrow: gl.constexpr = gl.SliceLayout(1, ROPE_L)
     rdata = gl.convert_layout(data, rrow, assert_trivial=True)
     rvalid = gl.convert_layout(valid, rrow, assert_trivial=True)
     rc = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
     rptr = (cache_ptr + rdata + NOPE).to(gl.pointer_type(gl.bfloat16))
-    cp.async_copy_global_to_shared(rope_buf, gl.expand_dims(rptr, 1) + gl.expand_dims(rc, 0),
+    _async_load(rope_buf, gl.expand_dims(rptr, 1) + gl.expand_dims(rc, 0),
                                    mask=gl.expand_dims(rvalid, 1))
     srow: gl.constexpr = gl.SliceLayout(1, SCALE_L)
     sdata = gl.convert_layout(blk * stride_blk + block_size * 576 + off * 8, srow, assert_trivial=True)
     svalid = gl.convert_layout(valid, srow, assert_trivial=True)
     sb = gl.arange(0, 8, layout=gl.SliceLayout(0, SCALE_L))
-    cp.async_copy_global_to_shared(scale_buf, cache_ptr + gl.expand_dims(sdata, 1) + gl.expand_dims(sb, 0),
+    _async_load(scale_buf, cache_ptr + gl.expand_dims(sdata, 1) + gl.expand_dims(sb, 0),
                                    mask=gl.expand_dims(svalid, 1))
     cp.commit_group()
     valid_buf.store(valid.to(gl.int8))
@@ -127,7 +133,7 @@ def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
         scale = (e << 23).to(gl.float32, bitcast=True)
         f = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
         k_smem.slice(r, DQ_ROWS, dim=0).store(gl.reshape(f.to(gl.bfloat16), [DQ_ROWS, HEAD_DIM]))
-    gl.thread_barrier()
+    _cta_barrier()
     k_smem.slice(NOPE, 64, dim=1).store(rope_buf.load(ROPE_L))
 
 
@@ -167,11 +173,11 @@ def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs,
         x = _entries(t, c + 2 * num_splits, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req,
                      block_size, IS_RANGE)
         cp.wait_group(1)
-        gl.thread_barrier()
+        _cta_barrier()
         if (SKIP & 1) == 0:
             _dequant_chunk(raw_bufs.index(st), rope_bufs.index(st), scale_bufs.index(st), k_smem)
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         if (SKIP & 2) == 0:
             s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L),
                               use_acc=False)
@@ -180,7 +186,7 @@ def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs,
         o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, k_smem, qk_scale, SKIP)
         it += 1
     cp.wait_group(0)
-    gl.thread_barrier()
+    _cta_barrier()
     return o, m_i, l_i
 
 
@@ -197,7 +203,7 @@ def _softmax_pv(s, valid_buf, o, m_i, l_i, p_smem, v_smem, qk_scale, SKIP: gl.co
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
     if (SKIP & 2) == 0:
         o = warpgroup_mma(p_smem, v_smem, o)
@@ -213,7 +219,7 @@ def _issue_chunk_bf16(k_buf, valid_buf, cache_ptr, x, c, start, block_size, capa
     blk, off, valid = _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
     data = blk * stride_blk + off * stride_entry
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB_L))
-    cp.async_copy_global_to_shared(k_buf, cache_ptr + gl.expand_dims(data, 1) + gl.expand_dims(d, 0),
+    _async_load(k_buf, cache_ptr + gl.expand_dims(data, 1) + gl.expand_dims(d, 0),
                                    mask=gl.expand_dims(valid, 1))
     cp.commit_group()
     valid_buf.store(valid.to(gl.int8))
@@ -247,7 +253,7 @@ def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, 
         st = it % 2
         cp.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         # K stage 1 - st was last read by the previous chunk's P V (finished: synchronous wgmma).
         _issue_chunk_bf16(k_bufs.index(1 - st), valid_bufs.index(1 - st), cache_ptr, x, c + num_splits, start,
                           block_size, capacity, stride_blk, stride_entry, IS_RANGE)
@@ -258,7 +264,7 @@ def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, 
         o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, k_cur, qk_scale, 0)
         it += 1
     cp.wait_group(0)
-    gl.thread_barrier()
+    _cta_barrier()
     return o, m_i, l_i
 
 

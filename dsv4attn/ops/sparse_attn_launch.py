@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -335,25 +336,32 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     b_args = _set_args(b) if b is not a else a_args
     # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
     masks = (15,) if cfg.v_split == 1 or _geo(*geo_key)["P1"] == 0 else (1, 14)
-    if uses_sm90(cfg, sets, geo_key[1], max_logits is not None):
-        from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
-
-        _sparse_mla_attn_sm90_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            mx, mx.stride(0),
-            part_o, part_lse,
-            sink,
-            *a_args, *b_args,
-            num_heads, qk_scale, split_base, total, cfg.num_splits,
-            A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
-            WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
-            A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
-            SKIP=cfg.sm90_skip,
-            num_warps=NUM_WARPS, num_stages=1,
-        )
-        return
+    if uses_sm90(cfg, sets, geo_key[1], max_logits is not None) and not _sm90_failures:
+        kernel, warps = _sm90_kernel()
+        try:
+            kernel[grid](
+                q, q.stride(0), q.stride(1),
+                out, out.stride(0), out.stride(1),
+                lse, lse.stride(0),
+                mx, mx.stride(0),
+                part_o, part_lse,
+                sink,
+                *a_args, *b_args,
+                num_heads, qk_scale, split_base, total, cfg.num_splits,
+                A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
+                WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
+                A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
+                SKIP=cfg.sm90_skip,
+                num_warps=warps, num_stages=1,
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - only compile / launch failures fall back
+            if not _is_build_failure(e):
+                raise
+            _sm90_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
+            warnings.warn(f"dsv4attn: the sm90 attention kernel could not be built or launched here "
+                          f"({_sm90_failures[-1]}); this process uses the portable Triton kernel from now on",
+                          RuntimeWarning, stacklevel=2)
     launch = kernels._sparse_mla_attn_kernel[grid]
     for v_mask in masks:
         launch(
@@ -367,6 +375,25 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             num_heads, qk_scale, split_base, total, cfg.num_splits,
             **_decode_constexprs(cfg, geo_key, flags, v_mask),
         )
+
+
+#: Compile or launch failures of the sm90 kernel in this process (e.g. a Triton release whose
+#: Gluon API differs from the ones it was written for, 3.6 and 3.9): once one happened, every
+#: launch takes the portable kernel (same contract and outputs), after one RuntimeWarning.
+_sm90_failures: list[str] = []
+
+
+def _sm90_kernel():
+    """The Gluon sm90 kernel and its warp count (imported on first use)."""
+    from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
+
+    return _sparse_mla_attn_sm90_kernel, NUM_WARPS
+
+
+def _is_build_failure(e: Exception) -> bool:
+    """A Triton compile error (front end or MLIR/ptxas back end, which raise RuntimeError) or a
+    launch refused by the driver, as opposed to a bug in the caller's arguments."""
+    return type(e).__name__ == "CompilationError" or isinstance(e, RuntimeError)
 
 
 def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None, want_max: bool) -> bool:
