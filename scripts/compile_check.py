@@ -1,0 +1,191 @@
+"""Compile every Triton kernel specialisation the CPU tests launch, for real GPU targets, without a GPU.
+
+Step 1 (``record``): run pytest on CPU under Triton's interpreter with a hook on kernel launches
+and write, per distinct specialisation, the kernel's module and name, its argument types
+(pointer dtypes, int widths, 16-divisibility of ints and pointers as Triton would specialise
+them), its constexprs and launch options, to a JSON file.
+Step 2 (``compile``): in a process without the interpreter, compile each recorded specialisation
+with ``triton.compile`` for the given targets (default sm_80 and sm_90) and report failures:
+what a GPU with another architecture or another Triton release would hit on first use.
+
+    python3 -m scripts.compile_check record specs.json tests/test_sparse_attn.py ...
+    python3 -m scripts.compile_check compile specs.json [--targets 80,90] [--sm90]
+
+The Gluon sm90 kernel is not launched on CPU, so step 2 also compiles its variants (page kind x
+set forms x partial output) for sm_90 directly from its signature (``compile --sm90``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64", "uint8": "u8",
+           "int8": "i8", "int16": "i16", "bool": "i1", "float8_e4m3fn": "fp8e4nv", "float64": "fp64"}
+
+
+def _arg_type(v):
+    """(signature type, divisible-by-16 attribute) of one runtime argument, or None for None."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return "*" + _DTYPES[str(v.dtype).replace("torch.", "")], v.data_ptr() % 16 == 0
+    if isinstance(v, bool):
+        return "i1", False
+    if isinstance(v, int):
+        return ("i32" if -(2**31) <= v < 2**31 else "i64"), v % 16 == 0
+    if isinstance(v, float):
+        return "fp32", False
+    if v is None:
+        return None, False
+    raise TypeError(type(v).__name__)
+
+
+def record(out_path: str, pytest_args: list[str]) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import pytest
+    from triton.runtime import interpreter
+
+    specs: dict[str, dict] = {}
+    orig = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        ann = inspect_args(fn)
+        names = list(ann)
+        params = dict(zip(names, args))
+        params.update({k: v for k, v in kwargs.items() if k in names})
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        sig, const, attrs = {}, {}, []
+        for i, n in enumerate(names):
+            if n not in params:
+                continue  # defaulted constexpr
+            v = params[n]
+            if "constexpr" in str(ann[n].annotation):
+                const[n] = v
+                sig[n] = "constexpr"
+                continue
+            t, div = _arg_type(v)
+            if t is None:
+                const[n] = None
+                sig[n] = "constexpr"
+                continue
+            sig[n] = t
+            if div:
+                attrs.append(i)
+        key = json.dumps([fn.__module__, fn.__name__, sig, const, attrs, sorted(options.items())], default=str)
+        specs.setdefault(key, dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const,
+                                   divisible=attrs, options={k: options[k] for k in ("num_warps", "num_stages")
+                                                             if k in options}))
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-x", *pytest_args])
+    with open(out_path, "w") as f:
+        json.dump(list(specs.values()), f, indent=0, default=str)
+    print(f"recorded {len(specs)} specialisations (pytest rc {rc})")
+
+
+def inspect_args(fn):
+    import inspect
+
+    return inspect.signature(fn).parameters
+
+
+def compile_all(path: str, targets: list[int]) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # The library's kernels only (a test may define a helper kernel of its own).
+    specs = [s for s in json.load(open(path)) if s["module"].startswith("dsv4attn.")]
+    failures = 0
+    for cc in targets:
+        ok = 0
+        for s in specs:
+            kernel = getattr(importlib.import_module(s["module"]), s["name"])
+            names = list(kernel.arg_names)
+            const = dict(s["constexprs"])
+            if "CPU_INTERP" in const:
+                const["CPU_INTERP"] = False  # recorded under the interpreter; GPUs take the native path
+            constexprs = {(names.index(n),): v for n, v in const.items()}
+            attrs = {(i,): [["tt.divisibility", 16]] for i in s["divisible"]}
+            src = ASTSource(kernel, s["signature"], constexprs, attrs)
+            try:
+                triton.compile(src, target=GPUTarget("cuda", cc, 32), options=s["options"])
+                ok += 1
+            except Exception as e:  # noqa: BLE001 - report every failure
+                failures += 1
+                print(f"FAIL sm_{cc} {s['module']}.{s['name']} {s['constexprs']}: {type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1][:300]}")
+        print(f"sm_{cc}: {ok}/{len(specs)} specialisations compile with Triton {triton.__version__}")
+    return failures
+
+
+def compile_sm90() -> int:
+    """Compile the Gluon sm90 kernel's variants for sm_90a (what dispatch can launch)."""
+    import itertools
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel as kernel
+
+    names = list(kernel.arg_names)
+    failures = n = 0
+    for bf16, a_range, b_range, partial in itertools.product((False, True), repeat=4):
+        const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
+                     OUT_BF16=True, A_LEN=True, B_LEN=True, PAGES_BF16=bf16, SKIP=0)
+        sig = {}
+        for a in names:
+            if a in const:
+                sig[a] = "constexpr"
+            elif a.endswith("_ptr"):
+                if "cache" in a:
+                    sig[a] = "*bf16" if bf16 else "*u8"
+                elif a in ("q_ptr", "out_ptr"):
+                    sig[a] = "*bf16"
+                elif any(x in a for x in ("idx", "len", "bt", "req", "start")):
+                    sig[a] = "*i32"
+                else:
+                    sig[a] = "*fp32"
+            else:
+                sig[a] = "fp32" if a == "qk_scale" else "i32"
+        # What Triton's specialisation proves at launch for production caches: 16-aligned
+        # pointers, block / entry / row strides that are multiples of 16 (uses_sm90 requires it).
+        div = [i for i, a in enumerate(names) if a.endswith("_ptr") or a in (
+            "a_stride_blk", "b_stride_blk", "a_stride_entry", "b_stride_entry", "stride_q_t", "stride_q_h",
+            "stride_o_t", "stride_o_h")]
+        src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()},
+                             {(i,): [["tt.divisibility", 16]] for i in div})
+        n += 1
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS, num_stages=1))
+        except Exception as e:  # noqa: BLE001 - report every failure
+            failures += 1
+            print(f"FAIL sm90 kernel {const}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    print(f"sm_90: {n - failures}/{n} variants of the Gluon sm90 kernel compile with Triton {triton.__version__}")
+    return failures
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "record":
+        record(sys.argv[2], sys.argv[3:])
+    elif mode == "compile":
+        targets = [80, 90]
+        if "--targets" in sys.argv:
+            targets = [int(x) for x in sys.argv[sys.argv.index("--targets") + 1].split(",")]
+        failures = compile_all(sys.argv[2], targets)
+        if "--sm90" in sys.argv:
+            failures += compile_sm90()
+        sys.exit(1 if failures else 0)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
