@@ -20,10 +20,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m dsv4attn generate --tiny 0 --check
 
+# Kernel files whose CPU tests are replayed to record the Triton specialisations to compile.
+COMPILE_CHECK_TESTS := tests/test_sparse_attn.py tests/test_sparse_attn_prefill.py tests/test_indexer_ops.py \
+	tests/test_compressor_ops.py tests/test_kv_writers.py tests/test_metadata_ops.py
+
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m scripts.compile_check record $(VENV)/kernel_specs.json $(COMPILE_CHECK_TESTS)
+	$(PY) -m scripts.compile_check compile $(VENV)/kernel_specs.json --targets 80,90 --sm90
 
 clean:
 	rm -rf $(VENV)
