@@ -39,11 +39,9 @@ import torch.distributed as dist
 from dsv4attn.distributed.dcp_step import build_dcp_metadata, dcp_layer_step
 from dsv4attn.distributed.interleave import max_local, num_local
 from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError
-from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups, layer_cache_specs
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
-from dsv4attn.serving.paged import LayerCaches
+from dsv4attn.serving.paged import alloc_layer_caches
 from dsv4attn.serving.runner import KV_CACHE_DTYPES, PAGED_RATIOS, check_chunks
 
 #: Default tokens per grow/advance of :meth:`DCPAttentionRunner.reserve`.
@@ -128,7 +126,7 @@ class DCPAttentionRunner:
         if any(bs % interleave for bs in split_bs):
             raise ValueError(f"interleave={interleave} must divide the block size of every DCP-split cache "
                              f"({sorted(set(split_bs))} entries for this layer)")
-        self.caches = _alloc_caches(layer, self.specs, kv_cache_dtype, num_blocks, dev, self.dtype)
+        self.caches = alloc_layer_caches(layer, self.specs, kv_cache_dtype, lambda group: num_blocks, dev, self.dtype)
         self._computed: dict[Hashable, int] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -270,32 +268,3 @@ class DCPAttentionRunner:
             qlens, seq_lens, self.managers["swa"].block_table(order, "swa", device=dev), self.caches.swa.shape[1],
             self.layer.config.window_size, compressed, self.rank, self.world_size, self.interleave, dev, self.impl)
         return dcp_layer_step(self.layer, hidden, meta, self.caches, self.group, self.impl)
-
-
-def _alloc_caches(layer: DeepseekV4Attention, specs: dict, kv_cache_dtype: str, num_blocks: int,
-                  dev: torch.device, dtype: torch.dtype) -> LayerCaches:
-    """This rank's caches, ``num_blocks`` blocks each (same geometry as ``AttentionRunner``)."""
-    cfg = layer.config
-    layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim)
-
-    def kv_cache(block_size: int) -> torch.Tensor:
-        if kv_cache_dtype == "fp8_ds_mla":
-            return alloc_fp8_ds_mla_cache(num_blocks, block_size, layout, device=dev)
-        return torch.zeros(num_blocks, block_size, cfg.head_dim, dtype=dtype, device=dev)
-
-    def state(name: str) -> torch.Tensor:
-        s = specs[name]
-        return torch.zeros(num_blocks, s.block_size, *s.row_shape, dtype=torch.float32, device=dev)
-
-    caches = LayerCaches(kv_cache_dtype, layout, swa=kv_cache(specs["swa_kv"].block_size))
-    if layer.ratio > 1:
-        caches.compressed = kv_cache(specs["compressed_kv"].block_size)
-        caches.state = state("compressor_state")
-    if layer.ratio == 4:
-        bs = specs["indexer_k"].block_size
-        if kv_cache_dtype == "fp8_ds_mla":
-            caches.indexer_k = alloc_indexer_k_cache(num_blocks, bs, cfg.index_head_dim, device=dev)
-        else:
-            caches.indexer_k = torch.zeros(num_blocks, bs, cfg.index_head_dim, dtype=dtype, device=dev)
-        caches.indexer_state = state("indexer_compressor_state")
-    return caches

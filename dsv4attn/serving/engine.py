@@ -36,7 +36,6 @@ import torch
 from dsv4attn.device import resolve_impl
 from dsv4attn.kv_cache.accounting import main_group, plan_num_blocks
 from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError, cdiv
-from dsv4attn.kv_cache.layout import alloc_fp8_ds_mla_cache, layout_for_head_dim
 from dsv4attn.kv_cache.specs import (
     GROUP_C4_STATE,
     GROUP_C128_STATE,
@@ -48,8 +47,7 @@ from dsv4attn.kv_cache.specs import (
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.reference.cache_ops import alloc_indexer_k_cache
-from dsv4attn.serving.paged import LayerCaches, layer_step
+from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
     from dsv4attn.serving.graphs import DecodeGraphs
@@ -199,33 +197,9 @@ class PagedAttentionEngine:
         self._ran: set[int] = set()
 
     def _alloc_caches(self, i: int) -> LayerCaches:
-        layer, cfg, dev, kcd = self.layers[i], self.layers[i].config, self.device, self.kv_cache_dtype
         specs = {s.name: s for s in layer_cache_specs(self.cache_config, i)}
-        layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim) if kcd == "fp8_ds_mla" else None
-
-        def kv_cache(n: int, block_size: int) -> torch.Tensor:
-            if kcd == "fp8_ds_mla":
-                assert layout is not None  # set above for fp8_ds_mla
-                return alloc_fp8_ds_mla_cache(n, block_size, layout, device=dev)
-            return torch.zeros(n, block_size, cfg.head_dim, dtype=self.dtype, device=dev)
-
-        def state(name: str) -> torch.Tensor:
-            s = specs[name]
-            return torch.zeros(self.num_blocks[s.group], s.block_size, *s.row_shape, dtype=torch.float32, device=dev)
-
-        caches = LayerCaches(kcd, layout, swa=kv_cache(self.num_blocks[GROUP_SWA], specs["swa_kv"].block_size))
-        if layer.ratio > 1:
-            nf = self.num_blocks[GROUP_FULL_MLA]
-            caches.compressed = kv_cache(nf, specs["compressed_kv"].block_size)
-            caches.state = state("compressor_state")
-        if layer.ratio == 4:
-            bs = specs["indexer_k"].block_size
-            if kcd == "fp8_ds_mla":
-                caches.indexer_k = alloc_indexer_k_cache(nf, bs, cfg.index_head_dim, device=dev)
-            else:
-                caches.indexer_k = torch.zeros(nf, bs, cfg.index_head_dim, dtype=self.dtype, device=dev)
-            caches.indexer_state = state("indexer_compressor_state")
-        return caches
+        return alloc_layer_caches(self.layers[i], specs, self.kv_cache_dtype, self.num_blocks.__getitem__,
+                                  self.device, self.dtype)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property

@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4attn.kv_cache.layout import FP8DSMLALayout
+from collections.abc import Callable, Mapping
+
+from dsv4attn.kv_cache.layout import (
+    FP8DSMLALayout,
+    alloc_fp8_ds_mla_cache,
+    alloc_indexer_k_cache,
+    layout_for_head_dim,
+)
+from dsv4attn.kv_cache.specs import CacheSpec
 from dsv4attn.kv_cache.slots import entry_slots
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.compressor import Compressor
@@ -54,6 +62,39 @@ class LayerCaches:
     indexer_k: torch.Tensor | None = None
     state: torch.Tensor | None = None
     indexer_state: torch.Tensor | None = None
+
+
+def alloc_layer_caches(layer: DeepseekV4Attention, specs: Mapping[str, CacheSpec], kv_cache_dtype: str,
+                       blocks: Callable[[str], int], device: torch.device, dtype: torch.dtype) -> LayerCaches:
+    """A layer's caches, one per spec of ``layer_cache_specs`` (by name), each with
+    ``blocks(spec.group)`` blocks: fp8_ds_mla or ``dtype`` kv pages, fp8 or ``dtype`` indexer
+    keys, fp32 compressor states. The one allocation of the engine and of the DCP runner (which
+    gives every group the same count)."""
+    cfg = layer.config
+    fp8 = kv_cache_dtype == "fp8_ds_mla"
+    layout = layout_for_head_dim(cfg.head_dim, cfg.rope_dim) if fp8 else None
+
+    def kv_cache(name: str) -> torch.Tensor:
+        s = specs[name]
+        if layout is not None:
+            return alloc_fp8_ds_mla_cache(blocks(s.group), s.block_size, layout, device=device)
+        return torch.zeros(blocks(s.group), s.block_size, cfg.head_dim, dtype=dtype, device=device)
+
+    def state(name: str) -> torch.Tensor:
+        s = specs[name]
+        return torch.zeros(blocks(s.group), s.block_size, *s.row_shape, dtype=torch.float32, device=device)
+
+    caches = LayerCaches(kv_cache_dtype, layout, swa=kv_cache("swa_kv"))
+    if layer.ratio > 1:
+        caches.compressed = kv_cache("compressed_kv")
+        caches.state = state("compressor_state")
+    if layer.ratio == 4:
+        s = specs["indexer_k"]
+        n = blocks(s.group)
+        caches.indexer_k = (alloc_indexer_k_cache(n, s.block_size, cfg.index_head_dim, device=device) if fp8 else
+                            torch.zeros(n, s.block_size, cfg.index_head_dim, dtype=dtype, device=device))
+        caches.indexer_state = state("indexer_compressor_state")
+    return caches
 
 
 def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int
