@@ -155,3 +155,19 @@ def test_low_precision_within_the_references_own_error(kv, factor):
     ours, ref = teacher_forced_errors(pm, model, prompts, refs)
     assert 0 < ours <= factor * ref, (ours, ref)
     assert pm.requests == []
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_generate_refuses_while_an_earlier_generates_requests_live(tiny, k):
+    """Both batchers (plain and speculative) refuse to start over live ("generate", i) requests
+    of an interrupted earlier generate(), before touching the engine; max_new_tokens=0 still
+    just returns empty lists."""
+    model, prompts, _ = tiny
+    pm = PagedDeepseekV4(model, max_model_len=256, num_speculative_tokens=k)
+    pm.step({("generate", 0): prompts[1]})  # what an interrupted generate() leaves behind
+    before = _state(pm)
+    with pytest.raises(RuntimeError, match="earlier generate"):
+        pm.generate(prompts[:2], 3, num_speculative_tokens=k)
+    assert _state(pm) == before
+    assert pm.generate(prompts[:2], 0, num_speculative_tokens=k) == [[], []]
+    pm.free(("generate", 0))

@@ -40,6 +40,16 @@ class ContinuousBatcher:
     def _blocks_for(self, num_tokens: int) -> int:
         return self.engine.blocks_to_reserve(num_tokens)
 
+    def _admit(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
+        """The start of every ``run``: :meth:`_requests`, then (when there is work) refuse to
+        start while requests of an earlier generate() are still live in the engine."""
+        reqs = self._requests(prompts, max_new_tokens)
+        if max_new_tokens:
+            clashes = [rid for rid in self.engine.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
+            if clashes:
+                raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
+        return reqs
+
     def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[_Request]:
         """Validate the prompts and build their requests, each with its main-group reservation."""
         eng = self.engine
@@ -92,13 +102,9 @@ class ContinuousBatcher:
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[list[int]]:
-        eng = self.engine
-        reqs = self._requests(prompts, max_new_tokens)
-        if max_new_tokens == 0:
+        reqs = self._admit(prompts, max_new_tokens)
+        if not max_new_tokens:
             return [[] for _ in reqs]
-        clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
-        if clashes:
-            raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
         waiting, running = list(reqs), list[_Request]()
         reserved = 0
         while waiting or running:

@@ -131,12 +131,9 @@ class SpeculativeBatcher(ContinuousBatcher):
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[list[int]]:
         eng, model, st = self.engine, self.model, self.stats
-        reqs = self._requests(prompts, max_new_tokens)
-        if max_new_tokens == 0:
+        reqs = self._admit(prompts, max_new_tokens)
+        if not max_new_tokens:
             return [[] for _ in reqs]
-        clashes = [rid for rid in eng.requests if isinstance(rid, tuple) and rid[:1] == ("generate",)]
-        if clashes:
-            raise RuntimeError(f"requests {clashes} of an earlier generate() are still live")
         waiting, running, reserved = list(reqs), list[_Request](), 0
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
