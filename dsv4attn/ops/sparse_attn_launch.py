@@ -336,18 +336,14 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     b_args = _set_args(b) if b is not a else a_args
     # d_v split: part 0 (NoPE dims [0, P0)) in one launch, the other parts in a second one.
     masks = (15,) if cfg.v_split == 1 or _geo(*geo_key)["P1"] == 0 else (1, 14)
+    # The runtime arguments, the same for both kernels (their constexprs differ).
+    args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
+            part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1], max_logits is not None) and not _sm90_failures:
         kernel, warps = _sm90_kernel()
         try:
             kernel[grid](
-                q, q.stride(0), q.stride(1),
-                out, out.stride(0), out.stride(1),
-                lse, lse.stride(0),
-                mx, mx.stride(0),
-                part_o, part_lse,
-                sink,
-                *a_args, *b_args,
-                num_heads, qk_scale, split_base, total, cfg.num_splits,
+                *args,
                 A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                 WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                 A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
@@ -362,19 +358,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             warnings.warn(f"dsv4attn: the sm90 attention kernel could not be built or launched here "
                           f"({_sm90_failures[-1]}); this process uses the portable Triton kernel from now on",
                           RuntimeWarning, stacklevel=2)
-    launch = kernels._sparse_mla_attn_kernel[grid]
+    portable = kernels._sparse_mla_attn_kernel[grid]
     for v_mask in masks:
-        launch(
-            q, q.stride(0), q.stride(1),
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            mx, mx.stride(0),
-            part_o, part_lse,
-            sink,
-            *a_args, *b_args,
-            num_heads, qk_scale, split_base, total, cfg.num_splits,
-            **_decode_constexprs(cfg, geo_key, flags, v_mask),
-        )
+        portable(*args, **_decode_constexprs(cfg, geo_key, flags, v_mask))
 
 
 #: Compile or launch failures of the sm90 kernel in this process (e.g. a Triton release whose
