@@ -120,6 +120,23 @@ def _entries(t, c, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, s
 
 
 @gluon.jit
+def _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE: gl.constexpr,
+            HAS_LEN: gl.constexpr):
+    """(start, length, req) of token t's candidates in one set, as the portable kernel: the
+    length capped by the index width, a range clipped to its block-table row."""
+    if HAS_LEN:
+        length = gl.minimum(gl.load(len_ptr + t), width)
+    else:
+        length = t * 0 + width
+    req = 0
+    start = 0
+    if IS_RANGE:
+        req = gl.load(req_ptr + t)
+        start, length = _clip_range(gl.load(start_ptr + t), length, req, num_reqs, max_blocks * block_size)
+    return start, length, req
+
+
+@gluon.jit
 def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
     """Raw stage -> bf16 K [64, 512] in shared memory, DQ_ROWS rows at a time (the caller
     synchronises around it). Scale of (row, tile) = 2^(byte - 127); tile 7 is the RoPE."""
@@ -148,15 +165,8 @@ def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs,
     (cp.async) of chunk c + 1 step are in flight while chunk c is dequantised and multiplied.
     ``SKIP`` (profiling only, 0 in production): 1 skips dequantisation, 2 the MMAs, 4 the
     page gathers."""
-    if HAS_LEN:
-        length = gl.minimum(gl.load(len_ptr + t), width)
-    else:
-        length = t * 0 + width
-    req = 0
-    start = 0
-    if IS_RANGE:
-        req = gl.load(req_ptr + t)
-        start, length = _clip_range(gl.load(start_ptr + t), length, req, num_reqs, max_blocks * block_size)
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
     n_chunks = gl.cdiv(length, BLOCK_N)
     x = _entries(t, split, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
                  IS_RANGE)
@@ -232,15 +242,8 @@ def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, 
                    qk_scale, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
     """:func:`_set_pass` for bf16 pages: no dequantisation; the rows of chunk c + 1 step land
     in the other K stage while chunk c is multiplied."""
-    if HAS_LEN:
-        length = gl.minimum(gl.load(len_ptr + t), width)
-    else:
-        length = t * 0 + width
-    req = 0
-    start = 0
-    if IS_RANGE:
-        req = gl.load(req_ptr + t)
-        start, length = _clip_range(gl.load(start_ptr + t), length, req, num_reqs, max_blocks * block_size)
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
     n_chunks = gl.cdiv(length, BLOCK_N)
     x = _entries(t, split, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
                  IS_RANGE, KB_ROW_L)
