@@ -15,6 +15,7 @@ pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from dsv4attn.kv_cache.allocator import PoolExhaustedError  # noqa: E402
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate  # noqa: E402
+from dsv4attn.serving.cli import random_prompts
 from dsv4attn.serving.tiny import tiny_hf_model  # noqa: E402
 
 LENGTHS = (1, 3, 4, 5, 9, 64, 127, 128, 129, 131)
@@ -22,8 +23,7 @@ NEW = 8
 
 
 def _prompts(lengths, seed=1, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(len(lengths), vocab, seed, lengths)
 
 
 @pytest.fixture(scope="module")

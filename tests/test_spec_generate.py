@@ -22,6 +22,7 @@ pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from dsv4attn.serving.drafter import Drafter, NgramDrafter
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
 from dsv4attn.serving.spec import SpecStats, accept_greedy
+from dsv4attn.serving.cli import random_prompts
 from dsv4attn.serving.tiny import tiny_hf_model
 
 LENGTHS = (5, 126, 129)
@@ -52,8 +53,7 @@ class NoisyOracleDrafter(Drafter):
 
 
 def _prompts(lengths, seed=1, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(len(lengths), vocab, seed, lengths)
 
 
 @pytest.fixture(scope="module")

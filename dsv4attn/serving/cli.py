@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 import time
 
 #: Low-precision bound: our logits' error vs float32 may be this many times the reference's own
@@ -103,11 +104,14 @@ class _LineBar(_NoBar):
         print(file=sys.stderr)
 
 
-def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts whose lengths cycle through values on and next to the 4/128 boundaries."""
+#: Prompt lengths on and next to the 4/128 compression boundaries (the CLI's random prompts).
+BOUNDARY_LENGTHS = (1, 3, 4, 5, 63, 127, 128, 129, 200, 257)
+
+
+def random_prompts(n: int, vocab: int, seed: int, lengths: Sequence[int] = BOUNDARY_LENGTHS) -> list[list[int]]:
+    """``n`` random prompts (token ids in ``[0, vocab)``) whose lengths cycle through ``lengths``."""
     import torch
 
-    lengths = (1, 3, 4, 5, 63, 127, 128, 129, 200, 257)
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
