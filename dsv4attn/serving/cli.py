@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 
 #: Low-precision bound: our logits' error vs float32 may be this many times the reference's own
 #: low-precision error. bf16 caches: we round at the same points as transformers or fewer (the
