@@ -104,7 +104,7 @@ def compile_all(path: str, targets: list[int]) -> int:
 
     # The library's kernels only (a test may define a helper kernel of its own).
     specs = [s for s in json.load(open(path)) if s["module"].startswith("dsv4attn.")]
-    failures = 0 if specs or path.endswith("empty.json") else 1
+    failures = 0  # an empty record is refused where it is made (record exits non-zero)
     for cc in targets:
         ok = 0
         for s in specs:
