@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4attn.kernels.common import block_id
+
 
 @triton.jit
 def _compressor_pool_kernel(
@@ -36,11 +38,8 @@ def _compressor_pool_kernel(
     w_row = tl.arange(0, L_P2)
     rowpos = (p // ratio) * ratio - (COFF - 1) * ratio + w_row
     valid = (w_row < COFF * ratio) & (rowpos >= 0)
-    col = tl.where(valid, rowpos // block_size, 0)
-    valid = valid & (col < max_blocks)
-    col = tl.where(valid, col, 0)
-    blk = tl.load(bt_ptr + req * stride_bt + col, mask=valid, other=-1)
-    valid = valid & (blk >= 0) & (blk < num_blocks)
+    blk = block_id(bt_ptr, req, rowpos // block_size, valid, stride_bt, 1, max_blocks)
+    valid = (blk >= 0) & (blk < num_blocks)
     row = (tl.where(valid, blk, 0).to(tl.int64) * stride_state_block
            + tl.where(valid, rowpos % block_size, 0) * stride_state_entry)
     if COFF == 2:

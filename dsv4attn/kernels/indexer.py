@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4attn.kernels.common import block_id
+
 #: Sentinel key of a non-candidate (below every real key).
 INT64_MIN = tl.constexpr(-9223372036854775808)
 
@@ -113,9 +115,8 @@ def _indexer_topk_kernel(
         for s0 in range(0, K_P2, BLOCK_N):
             e = c0 + s0 + tl.arange(0, BLOCK_N)
             valid = e < n
-            col = tl.where(valid, e // block_size, 0)
-            blk = tl.load(bt_ptr + req * stride_bt + col, mask=valid, other=-1)
-            valid = valid & (blk >= 0) & (blk < num_blocks)
+            blk = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
+            valid = (blk >= 0) & (blk < num_blocks)
             page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
             off = tl.where(valid, e % block_size, 0).to(tl.int64)
             kmask = valid[:, None] & dm[None, :]
