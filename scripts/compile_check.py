@@ -141,7 +141,7 @@ def compile_sm90() -> int:
     failures = n = 0
     for bf16, a_range, b_range, partial in itertools.product((False, True), repeat=4):
         const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
-                     OUT_BF16=True, A_LEN=True, B_LEN=True, PAGES_BF16=bf16, SKIP=0)
+                     OUT_BF16=True, A_LEN=True, B_LEN=True, PAGES_BF16=bf16, WRITE_MAX=not partial, SKIP=0)
         sig = {}
         for a in names:
             if a in const:

@@ -7,8 +7,9 @@
 # SAVED: a folder with flash_mla.tgz.part* from an earlier call (the built package, split to fit
 #   the device tool's 16 MiB per file); unpacked into /tmp/fm. Without it, FlashMLA is built in the
 #   background (MAX_JOBS=16) while the steps that need no FlashMLA run, and the built package
-#   is split into $OUT/flash_mla.tgz.part* for later calls.
-# Steps: tests | sweep (scripts/attn_variants.py) | report | host (eager host time per call,
+#   is split into $OUT/flash_mla.tgz.part* for later calls; a later call on the same (still warm)
+#   machine waits for that build instead of starting another.
+# Steps: tests (EXTRA_TESTS: more test files) | sweep (scripts/attn_variants.py) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -20,6 +21,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 building=0
 if ls "$SAVED"/flash_mla.tgz.part* >/dev/null 2>&1; then
   mkdir -p $FM && cat "$SAVED"/flash_mla.tgz.part* | tar xz -C $FM && echo "FlashMLA from $SAVED" | tee -a "$OUT/smi.txt"
+elif [[ -f /tmp/flashmla_build.log ]]; then
+  echo "FlashMLA: the build an earlier call started on this machine" | tee -a "$OUT/smi.txt"
+  building=1
 else
   MAX_JOBS=16 FLASHMLA_BUILD_DIR=/tmp/flashmla_build BG=1 bash "$SRC/build.sh"
   building=1
@@ -42,7 +46,7 @@ for step in "$@"; do
   case $step in
     tests) xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
            timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
-             tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
+             tests/test_flashmla_compat.py ${EXTRA_TESTS:-} 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
     sweep) timeout 300 python3 -m scripts.attn_variants > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;

@@ -49,18 +49,19 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-def _run(q, built, sink, num_splits, sm90: bool, device):
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False):
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
     assert cfg.sm90 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90)
     sets = [b.cset for b in built]
-    assert uses_sm90(cfg, sets, PROD_LAYOUT, False) is sm90
+    assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
     out = torch.empty_like(qd)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    launch(qd, sets, 0.09, None if sink is None else sink.to(device), out, lse, None, num_splits, config=cfg)
-    return out, lse
+    mx = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device) if max_logits else None
+    launch(qd, sets, 0.09, None if sink is None else sink.to(device), out, lse, mx, num_splits, config=cfg)
+    return (out, lse, mx) if max_logits else (out, lse)
 
 
 @needs_hopper
@@ -86,24 +87,51 @@ def test_sm90_fp32_q_and_out():
     assert_matches(out, lse, oracle(q, built, 0.09, sink), oracle(q, built, 0.09, sink, low_precision=True), "fp32")
 
 
+@needs_hopper
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == 1], ids=[c[0] for c in CASES if c[4] == 1])
+def test_sm90_max_logits(case):
+    """Max logits (FlashMLA's prefill output; only without split-KV): each row's largest scaled
+    logit over its valid candidates, -inf for a row without any, against fp64 over the same
+    bf16 q and dequantised rows; out and lse unchanged by asking for them."""
+    device = torch.device("cuda")
+    q, built, sink, _ = _inputs(case, device)
+    out, lse, mx = _run(q, built, sink, 1, True, device, max_logits=True)
+    want_o, want_l = _run(q, built, sink, 1, True, device)
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    ref = torch.full(mx.shape, float("-inf"), dtype=torch.float64)
+    tol = torch.zeros(mx.shape, dtype=torch.float64)
+    q64 = q.double()
+    for t in range(q.shape[0]):
+        rows = [b.kdec[torch.tensor(b.slots[t], dtype=torch.long)] for b in built if b.slots[t]]
+        if rows:
+            k = torch.cat(rows).double()
+            ref[t] = ((q64[t] @ k.T) * 0.09).max(dim=-1).values
+            # bf16 x bf16 products are exact in fp32; the fp32 sums over 512 dims in another
+            # order than fp64's: 2^-16 of the sum of |products| bounds that.
+            tol[t] = 2.0**-16 * ((q64[t].abs() @ k.abs().T) * 0.09).max(dim=-1).values
+    got = mx.cpu().double()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert ((got[fin] - ref[fin]).abs() <= tol[fin]).all()
+
+
 def test_dispatch_rules():
-    """Only the production fp8 layout, no max logits, no variant configs (runs everywhere)."""
+    """Only the production fp8 layout or bf16 pages, no variant configs (runs everywhere)."""
     cfg = KernelConfig(64, 64, 1, 8, 1, sm90=True)
     gen = torch.Generator().manual_seed(0)
     prod = build_set(SetSpec("indices", True, 64, 64), 1, [0], PROD_LAYOUT, gen, "cpu").cset
     small = build_set(SetSpec("indices", True, 16, 16), 1, [0], SMALL_LAYOUT, gen, "cpu").cset
     bf16 = build_set(SetSpec("indices", False, 64, 64), 1, [0], PROD_LAYOUT, gen, "cpu").cset
-    assert uses_sm90(cfg, [prod, prod], PROD_LAYOUT, False)
-    assert not uses_sm90(cfg, [prod], PROD_LAYOUT, True)  # max logits
-    assert not uses_sm90(cfg, [prod, bf16], PROD_LAYOUT, False)  # a bf16 set
-    assert not uses_sm90(cfg, [small], SMALL_LAYOUT, False)
-    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1), [prod], PROD_LAYOUT, False)
-    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1, v_split=2, sm90=True), [prod], PROD_LAYOUT, False)
-    assert uses_sm90(cfg, [bf16], None, False)
+    assert uses_sm90(cfg, [prod, prod], PROD_LAYOUT)
+    assert not uses_sm90(cfg, [prod, bf16], PROD_LAYOUT)  # a bf16 set
+    assert not uses_sm90(cfg, [small], SMALL_LAYOUT)
+    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1), [prod], PROD_LAYOUT)
+    assert not uses_sm90(KernelConfig(64, 64, 1, 8, 1, v_split=2, sm90=True), [prod], PROD_LAYOUT)
+    assert uses_sm90(cfg, [bf16], None)
     # Rows not 16-byte aligned (a view one byte into the cache) cannot take 16-byte cp.async.
     shifted = dataclasses.replace(prod, cache=torch.empty(prod.cache.numel() + 1, dtype=torch.uint8)[1:].view(
         prod.cache.shape))
-    assert not uses_sm90(cfg, [shifted], PROD_LAYOUT, False)
+    assert not uses_sm90(cfg, [shifted], PROD_LAYOUT)
     if not torch.cuda.is_available():
         assert kernel_config(4, 64, 512, 640, torch.device("cpu")).sm90 is False
 

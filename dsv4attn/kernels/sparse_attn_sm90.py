@@ -4,7 +4,7 @@ Same contract and arguments as :func:`dsv4attn.kernels.sparse_attn._sparse_mla_a
 (one program per query token x 64-head tile x split; candidates of up to two sets; sink; final
 or split-KV partial outputs), restricted to what DeepSeek-V4 serves: head dim 512 = 448 fp8
 NoPE dims (seven 64-dim tiles with UE8M0 scales) + 64 bf16 RoPE dims, 64 heads per program,
-8 warps, no max-logit output. The launcher (:mod:`dsv4attn.ops.sparse_attn_launch`) picks it only
+8 warps. The launcher (:mod:`dsv4attn.ops.sparse_attn_launch`) picks it only
 where it applies and keeps the portable Triton kernel for everything else.
 
 Why it is faster than the portable kernel (docs/design.md, "Attention kernel"): the portable
@@ -140,22 +140,19 @@ def _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_s
 def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
     """Raw stage -> bf16 K [64, 512] in shared memory, DQ_ROWS rows at a time (the caller
     synchronises around it). Scale of (row, tile) = 2^(byte - 127); tile 7 is the RoPE."""
-    L16: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [8, 1, 1], [2, 1, 0])
-    tile = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L16)))
-    t2 = gl.expand_dims(tile, 0)
-    for r in gl.static_range(0, BLOCK_N, DQ_ROWS):
-        raw = raw_buf.slice(r, DQ_ROWS, dim=0).load(L16)
-        e = scale_buf.slice(r, DQ_ROWS, dim=0).load(gl.SliceLayout(2, L16)).to(gl.uint32)
-        e = gl.where(t2 < 7, e, 0)  # byte 7 pads the scale block; tile 7 is written below
-        scale = (e << 23).to(gl.float32, bitcast=True)
-        f = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
-        k_smem.slice(r, DQ_ROWS, dim=0).store(gl.reshape(f.to(gl.bfloat16), [DQ_ROWS, HEAD_DIM]))
-    _cta_barrier()
-    k_smem.slice(NOPE, 64, dim=1).store(rope_buf.load(ROPE_L))
+    L64: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
+    raw = raw_buf.load(L64)
+    e = scale_buf.load(gl.SliceLayout(2, L64)).to(gl.uint32)
+    scale = (e << 23).to(gl.float32, bitcast=True)
+    f = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
+    rope = gl.expand_dims(rope_buf.load(gl.SliceLayout(1, L64)), 1)
+    tile = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L64))), 0), 2)
+    f = gl.where(tile < 7, f, rope)  # tile 7 is the RoPE (its raw bytes and scale byte are padding)
+    k_smem.store(gl.reshape(f, [BLOCK_N, HEAD_DIM]))
 
 
 @gluon.jit
-def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
+def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
               cache_ptr, stride_blk, block_size, capacity,
               idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
               qk_scale, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr):
@@ -193,7 +190,7 @@ def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs,
                               use_acc=False)
         else:
             s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-        o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, k_smem, qk_scale, SKIP)
+        o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, mx_smem, k_smem, qk_scale, SKIP)
         it += 1
     cp.wait_group(0)
     _cta_barrier()
@@ -201,16 +198,21 @@ def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs,
 
 
 @gluon.jit
-def _softmax_pv(s, valid_buf, o, m_i, l_i, p_smem, v_smem, qk_scale, SKIP: gl.constexpr):
+def _softmax_pv(s, valid_buf, o, m_i, l_i, p_smem, mx_smem, v_smem, qk_scale, SKIP: gl.constexpr):
     """One online-softmax step (base 2) on the logits ``s`` [64, 64] of a chunk (invalid
-    candidates -inf) and ``O += P V`` with V the chunk's K tile in ``v_smem``."""
+    candidates -inf) and ``O += P V`` with V the chunk's K tile in ``v_smem``. ``l_i`` is kept
+    per element ([64, 64], summed once in the epilogue) and the row maxima of the two
+    warpgroups' column halves meet in ``mx_smem`` [2, 64]: one CTA barrier for the softmax."""
     ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S_L)) != 0, 0)
     s = gl.where(ok, s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    half = gl.max(gl.reshape(s, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)  # [64, 2]: within each warpgroup
+    mx_smem.store(half)
+    _cta_barrier()
+    m_new = gl.maximum(m_i, gl.max(mx_smem.load(S_L), axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * gl.expand_dims(alpha, 1) + p
     p_smem.store(p.to(gl.bfloat16))
     fence_async_shared()
     _cta_barrier()
@@ -236,7 +238,7 @@ def _issue_chunk_bf16(k_buf, valid_buf, cache_ptr, x, c, start, block_size, capa
 
 
 @gluon.jit
-def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, m_i, l_i,
+def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
                    cache_ptr, stride_blk, stride_entry, block_size, capacity,
                    idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
                    qk_scale, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
@@ -264,7 +266,7 @@ def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, 
                      block_size, IS_RANGE, KB_ROW_L)
         k_cur = k_bufs.index(st)
         s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), use_acc=False)
-        o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, k_cur, qk_scale, 0)
+        o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, mx_smem, k_cur, qk_scale, 0)
         it += 1
     cp.wait_group(0)
     _cta_barrier()
@@ -286,11 +288,13 @@ def _sparse_mla_attn_sm90_kernel(
     num_heads, qk_scale, split_base, total_splits, num_splits,
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
-    A_LEN: gl.constexpr, B_LEN: gl.constexpr, PAGES_BF16: gl.constexpr = False, SKIP: gl.constexpr = 0,
+    A_LEN: gl.constexpr, B_LEN: gl.constexpr, PAGES_BF16: gl.constexpr = False, WRITE_MAX: gl.constexpr = False,
+    SKIP: gl.constexpr = 0,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest (as the
     portable kernel). Both sets are fp8 pages of the 448 + 64 layout, or with PAGES_BF16 both
-    bf16 pages (512 contiguous bf16 per entry; strides in elements)."""
+    bf16 pages (512 contiguous bf16 per entry; strides in elements). WRITE_MAX (only without
+    split-KV) also writes each row's max scaled logit, as the portable kernel does."""
     tiles = gl.cdiv(num_heads, BLOCK_H)
     t = gl.program_id(0) // tiles
     pid_h = gl.program_id(0) % tiles
@@ -300,6 +304,7 @@ def _sparse_mla_attn_sm90_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], MMA_SMEM)
     valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], FLAT_SMEM)
     if PAGES_BF16:
         k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
     else:
@@ -318,36 +323,36 @@ def _sparse_mla_attn_sm90_kernel(
 
     o = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, O_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
     # q_smem is published by the barriers inside the first chunk (fence + barrier before wgmma).
     if PAGES_BF16:
         o, m_i, l_i = _set_pass_bf16(
-            t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, m_i, l_i,
+            t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
             a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
             a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
             a_start_ptr, qk_scale, A_RANGE, A_LEN)
         if HAS_B:
             o, m_i, l_i = _set_pass_bf16(
-                t, split, num_splits, q_smem, k_bufs, p_smem, valid_bufs, o, m_i, l_i,
+                t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
                 b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                 b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                 b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN)
     else:
         o, m_i, l_i = _set_pass(
-            t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
+            t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
             a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
             a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
             a_start_ptr, qk_scale, A_RANGE, A_LEN, SKIP)
         if HAS_B:
             o, m_i, l_i = _set_pass(
-                t, split, num_splits, q_smem, k_smem, p_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i,
+                t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i,
                 l_i, b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
                 b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                 b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN, SKIP)
 
     # Epilogue in O's layout (rows = heads).
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    l_o = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, O_L))
     h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
     h_ok = h < num_heads
@@ -369,6 +374,8 @@ def _sparse_mla_attn_sm90_kernel(
             f = f / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
         f = gl.where(empty, 0.0, f)
         gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:  # the running max of the scaled logits (natural log units), -inf for empty rows
+            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
         res = o * gl.expand_dims(f, 1)
         optr = out_ptr + t64 * stride_o_t + gl.expand_dims(hc * stride_o_h, 1) + gl.expand_dims(d, 0)
         if OUT_BF16:

@@ -56,7 +56,7 @@ class KernelConfig:
     prefetch: bool = False
     #: Run the Gluon sm90 kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90`) where it applies
     #: (:func:`uses_sm90`): Hopper, 64-head tiles, head dim 512, fp8 pages of the 448 + 64
-    #: layout or bf16 pages, no max logits.
+    #: layout or bf16 pages.
     sm90: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the sm90 kernel to skip (1 dequant,
     #: 2 MMAs, 4 page gathers); 0 in every production config.
@@ -339,7 +339,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     # The runtime arguments, the same for both kernels (their constexprs differ).
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
-    if uses_sm90(cfg, sets, geo_key[1], max_logits is not None) and not _sm90_failures:
+    if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         kernel, warps = _sm90_kernel()
         try:
             kernel[grid](
@@ -347,6 +347,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                 A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                 WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                 A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
+                WRITE_MAX=max_logits is not None,
                 SKIP=cfg.sm90_skip,
                 num_warps=warps, num_stages=1,
             )
@@ -382,14 +383,14 @@ def _is_build_failure(e: Exception) -> bool:
     return type(e).__name__ == "CompilationError" or isinstance(e, RuntimeError)
 
 
-def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None, want_max: bool) -> bool:
+def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None) -> bool:
     """Whether a per-token launch runs the Gluon sm90 kernel: the config allows it (Hopper,
-    64-head tiles, head dim 512, no d_v split / prefetch / lazy variant), no max logits are
-    asked for, and the pages are all fp8 of the production layout (448 NoPE + 64 RoPE dims,
+    64-head tiles, head dim 512, no d_v split / prefetch / lazy variant) and the pages are all
+    fp8 of the production layout (448 NoPE + 64 RoPE dims,
     64-dim tiles, 576 data and 8 scale bytes per entry) or all bf16 (512 contiguous values per
     entry), with 16-byte aligned rows (its gathers are 16-byte cp.async copies). Everything
     else runs the portable kernel."""
-    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch and not cfg.lazy_rescale and not want_max):
+    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch and not cfg.lazy_rescale):
         return False
     if all(s.is_fp8 for s in sets):
         return (layout is not None and layout.nope_dim == 448 and layout.rope_dim == 64 and layout.tile == 64
