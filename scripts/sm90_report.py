@@ -133,9 +133,9 @@ def main() -> None:
         r = compile_report(_sparse_mla_prefill_kernel, c, w, 1)
         print(f"  BLOCK_M={bm} BLOCK_H={bh} BLOCK_N={bn} warps={w}: regs {r['regs']} spills {r['spills']} "
               f"smem {r['smem'] / 1024:.1f} KiB", flush=True)
-    c = dict(HEAD_DIM=512, D_PAD=512, HAS_SINK=True, OUT_BF16=True, BLOCK_H=16, CPU_INTERP=False)
+    c = dict(HEAD_DIM=512, D_PAD=512, HAS_SINK=True, OUT_BF16=True, S_PAD=16, CPU_INTERP=False)
     r = compile_report(_sparse_mla_combine_kernel, c, 4, 1)
-    print(f"combine BLOCK_H=16 warps=4: regs {r['regs']} spills {r['spills']} smem {r['smem']}")
+    print(f"combine S_PAD=16 warps=4: regs {r['regs']} spills {r['spills']} smem {r['smem']}")
 
 
 if __name__ == "__main__":

@@ -197,12 +197,13 @@ def test_lazy_rescale_matches_oracle(num_heads, device):
 
 
 def test_pick_splits_fills_waves():
-    """Split-KV model on 132 SMs: a half-full grid splits in 2, a full one stays whole, a tiny
-    one takes the cap; never more than the cap."""
-    assert pick_splits(64, 132, 16) == 2
-    assert pick_splits(128, 132, 16) == 1 and pick_splits(256, 132, 16) == 1
-    assert pick_splits(1, 132, 16) == 16 and pick_splits(1, 132, 3) == 3
-    assert all(1 <= pick_splits(n, 132, 5) <= 5 for n in range(1, 600))
+    """Split-KV model on 132 SMs with 10 chunks per program (decode: 640 candidates): a
+    half-full grid splits in 2, a full one stays whole, a lone program takes one chunk per
+    split; never more splits than chunks or the cap."""
+    assert pick_splits(64, 132, 10) == 2
+    assert pick_splits(128, 132, 10) == 1 and pick_splits(256, 132, 10) == 1
+    assert pick_splits(1, 132, 10) == 10 and 10 < pick_splits(1, 132, 40) <= 16 and pick_splits(1, 132, 6, 2) == 2
+    assert all(1 <= pick_splits(n, 132, c, 5) <= min(5, c) for n in range(1, 600, 7) for c in (1, 2, 10, 40))
 
 
 def _valid_args(device):

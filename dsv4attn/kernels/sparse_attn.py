@@ -365,42 +365,34 @@ def _sparse_mla_combine_kernel(
     lse_ptr, stride_lse_t,
     num_heads, num_splits,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr, OUT_BF16: tl.constexpr,
-    BLOCK_H: tl.constexpr, CPU_INTERP: tl.constexpr,
+    S_PAD: tl.constexpr, CPU_INTERP: tl.constexpr,
 ):
-    """Grid ``(num_tokens, cdiv(num_heads, BLOCK_H))``: merge split partials, apply the sink."""
+    """Grid ``(num_tokens, num_heads)``: merge one row's split partials (all ``num_splits <=
+    S_PAD`` of them loaded at once: one memory round trip per program, not one per split),
+    apply the sink."""
     t = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < num_heads
-    hc = tl.where(h_ok, h, 0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, S_PAD)
+    s_ok = sp < num_splits
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    dc = tl.where(d_ok, d, 0)
     t64 = t.to(tl.int64)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in range(num_splits):
-        ls = tl.load(part_lse_ptr + (t64 * num_splits + s) * num_heads + hc, mask=h_ok, other=float("-inf"))
-        m = tl.maximum(m, ls)
+    row = (t64 * num_splits + sp) * num_heads + h
+    ls = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(ls, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros((BLOCK_H,), tl.float32)
-    o = tl.zeros((BLOCK_H, D_PAD), tl.float32)
-    for s in range(num_splits):
-        row = (t64 * num_splits + s) * num_heads + hc
-        ls = tl.load(part_lse_ptr + row, mask=h_ok, other=float("-inf"))
-        w = tl.exp2(ls - m_safe)  # 0 for empty splits
-        po = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + dc[None, :],
-                     mask=(h_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
-        o += po * w[:, None]
-        den += w
+    w = tl.exp2(ls - m_safe)  # 0 for empty splits (their partial rows are never read)
+    po = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :],
+                 other=0.0)
+    den = tl.sum(w, axis=0)
     empty = den == 0.0
-    o = o / tl.where(empty, 1.0, den)[:, None]
+    o = tl.sum(po * w[:, None], axis=0) / tl.where(empty, 1.0, den)
     lse = tl.where(empty, float("inf"), (m_safe + tl.log2(tl.where(empty, 1.0, den))) * LN2)
     if HAS_SINK:
-        sink = tl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-        o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
-    o = tl.where(empty[:, None], 0.0, o)
+        sink = tl.load(sink_ptr + h)
+        o = o * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
+    o = tl.where(empty, 0.0, o)
     if OUT_BF16:
         o = _to_bf16(o, CPU_INTERP)
-    tl.store(out_ptr + t64 * stride_o_t + hc[:, None] * stride_o_h + dc[None, :], o,
-             mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+    tl.store(out_ptr + t64 * stride_o_t + h * stride_o_h + d, o, mask=d_ok)
+    tl.store(lse_ptr + t64 * stride_lse_t + h, lse)

@@ -54,7 +54,8 @@ def sparse_mla_attention(
     lse))`` and lse is unchanged (sink -inf: no effect; +inf: out = 0). A token with no valid
     candidate gets ``out = 0`` and ``lse = +inf``. Invalid candidates (-1, at or beyond the
     length, slot beyond the cache) are never dereferenced, so unused pages may hold anything.
-    ``num_splits`` forces the split-KV factor of the Triton path (``None``: heuristic).
+    ``num_splits`` forces the split-KV factor of the Triton path (``None``: heuristic; at most
+    16 are used).
     ``prefill=True`` says that consecutive tokens mostly belong to one request (prefill chunks):
     with <= 32 heads, range-form sets are then gathered once per block of tokens and shared
     (any token order stays correct, only slower). Results do not depend on these two knobs

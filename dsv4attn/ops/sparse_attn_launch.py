@@ -23,8 +23,10 @@ from dsv4attn.kv_cache.layout import FP8DSMLALayout
 from dsv4attn.ops.candidate_set import CandidateSet, layout_for
 
 _INT32_MAX = 2**31 - 1
-#: Cost of one split-KV split (partial write + combine read) relative to one unsplit program.
-_SPLIT_OVERHEAD = 0.15
+#: Split-KV model (:func:`pick_splits`), in units of one candidate chunk of a program: the fixed
+#: cost of a program (prologue, first gathers, epilogue) and of the combine kernel.
+_SPLIT_FIXED = 3.0
+_COMBINE_COST = 1.0
 #: Most candidate splits a token is cut into (each costs a partial write + read of h*D fp32).
 _MAX_SPLITS = 16
 #: Rows (tokens x heads) of one prefill tile; the shared-range kernel is used up to this many
@@ -34,8 +36,6 @@ _PREFILL_MAX_HEADS = 32
 #: Prefill kernel launch (64-row tiles): 4 warps spill ~3x more than 8 on sm90.
 _PREFILL_BLOCK_N = 32
 _PREFILL_WARPS = 8
-#: Heads per program of the split combine (a [16, 512] fp32 tile stays in registers).
-_COMBINE_BLOCK_H = 16
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def kernel_config(
     64-head tiles, i.e. dequantises each entry twice); split-KV only when ``num_tokens *
     head_tiles`` cannot fill the GPU. Small head tiles run 4 warps (Triton 3.6 miscompiled the
     16-head tile at 8 warps with 16-wide chunks). ``deterministic``: no split-KV unless
-    ``num_splits`` is given, so nothing depends on the batch size."""
+    ``num_splits`` is given, so nothing depends on the batch size. A given ``num_splits`` is
+    capped at ``_MAX_SPLITS`` (16; the combine loads all partials of a row at once)."""
     block_h = min(64, max(16, 1 << (num_heads - 1).bit_length()))
     # H200, 448 + 64 (scripts/attn_variants.py, 2026-11-30): 64-head tiles at 8 warps run
     # 11-13% faster with 64-wide chunks than with 32 (h64 B256 217 vs 246 us); smaller tiles
@@ -85,8 +86,8 @@ def kernel_config(
         if device.type == "cuda" and not deterministic:
             sms = _sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
-            num_splits = pick_splits(progs, sms, min(_MAX_SPLITS, max(1, math.ceil(max_candidates / block_n))))
-    return KernelConfig(block_h, block_n, int(num_splits), num_warps, num_stages,
+            num_splits = pick_splits(progs, sms, max(1, math.ceil(max_candidates / block_n)), _MAX_SPLITS)
+    return KernelConfig(block_h, block_n, min(int(num_splits), _MAX_SPLITS), num_warps, num_stages,
                         sm90=block_h == 64 and head_dim == 512 and sm90_kernel_available(device))
 
 
@@ -115,17 +116,22 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pick_splits(programs: int, slots: int, max_splits: int) -> int:
-    """Split-KV factor in ``1..max_splits`` with the least modelled time for ``programs``
-    (token, head-tile) programs on ``slots`` concurrent program slots (one per SM: the 448 + 64
-    kernels use all registers): ``waves(s) * (1 / s + overhead)``, where the overhead of a split
-    (fp32 partial write + combine read, L2-resident) is ``_SPLIT_OVERHEAD`` of one unsplit
-    program. Ties go to fewer splits. E.g. 132 SMs: 64 programs -> 2, 128 or 256 -> 1, 1 -> 16."""
-    best, best_cost = 1, float(math.ceil(programs / slots))
-    for s in range(2, max_splits + 1):
-        cost = math.ceil(programs * s / slots) * (1.0 / s + _SPLIT_OVERHEAD)
-        if cost < best_cost - 1e-9:
-            best, best_cost = s, cost
+def pick_splits(programs: int, slots: int, chunks: int, max_splits: int = 16) -> int:
+    """Split-KV factor in ``1..min(max_splits, chunks)`` with the least modelled time for
+    ``programs`` (token, head-tile) programs of ``chunks`` candidate chunks each, on ``slots``
+    concurrent program slots (one per SM: the 448 + 64 kernels use all registers). In units of
+    one chunk: ``waves(s) * (_SPLIT_FIXED + ceil(chunks / s)) + (s > 1) * _COMBINE_COST``; the
+    constants are fitted to the H200 sweep (``scripts/split_sweep.py``): a program's prologue,
+    first gathers and epilogue cost about three chunks, the combine about one. Ties go to
+    fewer splits. E.g. 132 SMs, 10 chunks: 64 programs -> 2, >= 128 -> 1, 1 -> 10."""
+    def cost(s: int) -> float:
+        return math.ceil(programs * s / slots) * (_SPLIT_FIXED + math.ceil(chunks / s)) + (s > 1) * _COMBINE_COST
+
+    best, best_cost = 1, cost(1)
+    for s in range(2, max(1, min(max_splits, chunks)) + 1):
+        c = cost(s)
+        if c < best_cost - 1e-9:
+            best, best_cost = s, c
     return best
 
 
@@ -310,13 +316,13 @@ def launch(
             _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale,
                            split_base, total, cfg if not shared else dataclasses.replace(cfg, num_splits=1), geo_key)
     if total > 1:
-        kernels._sparse_mla_combine_kernel[(num_tokens, _cdiv(num_heads, _COMBINE_BLOCK_H))](
+        kernels._sparse_mla_combine_kernel[(num_tokens, num_heads)](
             part_o, part_lse, sink,
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0),
             num_heads, total,
             HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), HAS_SINK=has_sink,
-            OUT_BF16=geo["OUT_BF16"], BLOCK_H=_COMBINE_BLOCK_H, CPU_INTERP=geo["CPU_INTERP"],
+            OUT_BF16=geo["OUT_BF16"], S_PAD=_next_pow2(total), CPU_INTERP=geo["CPU_INTERP"],
             num_warps=4,
         )
 
