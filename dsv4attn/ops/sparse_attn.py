@@ -68,7 +68,7 @@ def sparse_mla_attention(
     The default (False) picks the split-KV factor from the grid size, i.e. from the batch
     size, so a token's output can change in the last fp32 bits with the batch composition
     (always within the tolerance of the tests); it is faster for small batches (decode h64
-    B64: ~15% on the H200).
+    B64: 36 vs 49 us on the H200, docs/benchmarks.md Table 11).
     """
     return sparse_mla_forward(q, sets, softmax_scale, attn_sink, out, impl, num_splits=num_splits, want_max=False,
                               prefill=prefill, deterministic=deterministic)[:2]
