@@ -153,22 +153,21 @@ def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
 
 @gluon.jit
 def _set_pass(t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
-              cache_ptr, stride_blk, block_size, capacity,
-              idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-              qk_scale, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr):
-    """Attend chunks ``split, split + num_splits, ...`` of one set (online softmax, base 2).
+              start, length, req, x, cache_ptr, stride_blk, block_size, capacity,
+              idx_ptr, stride_idx, bt_ptr, stride_bt, max_blocks,
+              qk_scale, IS_RANGE: gl.constexpr, FIRST_ISSUED: gl.constexpr, SKIP: gl.constexpr):
+    """Attend chunks ``split, split + num_splits, ...`` of one set (online softmax, base 2);
+    ``(start, length, req)`` from :func:`_extent` and ``x`` the first chunk's slot reads, both
+    issued at the kernel's start; with FIRST_ISSUED that chunk's gathers are in flight too.
 
     Pipeline per chunk c: the slot-lookup reads of chunk c + 2 steps and the page gathers
     (cp.async) of chunk c + 1 step are in flight while chunk c is dequantised and multiplied.
     ``SKIP`` (profiling only, 0 in production): 1 skips dequantisation, 2 the MMAs, 4 the
     page gathers."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
     n_chunks = gl.cdiv(length, BLOCK_N)
-    x = _entries(t, split, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
-                 IS_RANGE)
-    _issue_chunk(raw_bufs.index(0), rope_bufs.index(0), scale_bufs.index(0), valid_bufs.index(0), cache_ptr, x, split,
-                 start, block_size, capacity, stride_blk, IS_RANGE, SKIP)
+    if not FIRST_ISSUED:
+        _issue_chunk(raw_bufs.index(0), rope_bufs.index(0), scale_bufs.index(0), valid_bufs.index(0), cache_ptr, x,
+                     split, start, block_size, capacity, stride_blk, IS_RANGE, SKIP)
     x = _entries(t, split + num_splits, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req,
                  block_size, IS_RANGE)
     it = 0
@@ -239,18 +238,15 @@ def _issue_chunk_bf16(k_buf, valid_buf, cache_ptr, x, c, start, block_size, capa
 
 @gluon.jit
 def _set_pass_bf16(t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
-                   cache_ptr, stride_blk, stride_entry, block_size, capacity,
-                   idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                   qk_scale, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+                   start, length, req, x, cache_ptr, stride_blk, stride_entry, block_size, capacity,
+                   idx_ptr, stride_idx, bt_ptr, stride_bt, max_blocks,
+                   qk_scale, IS_RANGE: gl.constexpr, FIRST_ISSUED: gl.constexpr):
     """:func:`_set_pass` for bf16 pages: no dequantisation; the rows of chunk c + 1 step land
     in the other K stage while chunk c is multiplied."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
     n_chunks = gl.cdiv(length, BLOCK_N)
-    x = _entries(t, split, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
-                 IS_RANGE, KB_ROW_L)
-    _issue_chunk_bf16(k_bufs.index(0), valid_bufs.index(0), cache_ptr, x, split, start, block_size, capacity,
-                      stride_blk, stride_entry, IS_RANGE)
+    if not FIRST_ISSUED:
+        _issue_chunk_bf16(k_bufs.index(0), valid_bufs.index(0), cache_ptr, x, split, start, block_size, capacity,
+                          stride_blk, stride_entry, IS_RANGE)
     x = _entries(t, split + num_splits, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req,
                  block_size, IS_RANGE, KB_ROW_L)
     it = 0
@@ -313,6 +309,29 @@ def _sparse_mla_attn_sm90_kernel(
         rope_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], FLAT_SMEM)
         scale_bufs = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, 8], FLAT_SMEM)
 
+    # The slot reads of both sets' first chunks and set A's first gathers go out before q is
+    # loaded: their dependent global reads (length -> index -> block table -> page) overlap q's
+    # load and, for set B, set A's whole pass.
+    if PAGES_BF16:
+        XL: gl.constexpr = KB_ROW_L
+    else:
+        XL: gl.constexpr = ROW_L
+    a_start, a_len, a_req = _extent(t, a_width, a_len_ptr, a_req_ptr, a_start_ptr, a_num_reqs, a_max_blocks,
+                                    a_block_size, A_RANGE, A_LEN)
+    xa = _entries(t, split, a_idx_ptr, a_stride_idx, a_len, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                  a_block_size, A_RANGE, XL)
+    if HAS_B:
+        b_start, b_len, b_req = _extent(t, b_width, b_len_ptr, b_req_ptr, b_start_ptr, b_num_reqs, b_max_blocks,
+                                        b_block_size, B_RANGE, B_LEN)
+        xb = _entries(t, split, b_idx_ptr, b_stride_idx, b_len, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req,
+                      b_block_size, B_RANGE, XL)
+    if PAGES_BF16:
+        _issue_chunk_bf16(k_bufs.index(0), valid_bufs.index(0), a_cache_ptr, xa, split, a_start, a_block_size,
+                          a_capacity, a_stride_blk, a_stride_entry, A_RANGE)
+    else:
+        _issue_chunk(raw_bufs.index(0), rope_bufs.index(0), scale_bufs.index(0), valid_bufs.index(0), a_cache_ptr, xa,
+                     split, a_start, a_block_size, a_capacity, a_stride_blk, A_RANGE, SKIP)
+
     dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_L))
     for r in gl.static_range(0, BLOCK_H, 16):
         hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
@@ -328,27 +347,23 @@ def _sparse_mla_attn_sm90_kernel(
     if PAGES_BF16:
         o, m_i, l_i = _set_pass_bf16(
             t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
-            a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-            a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
-            a_start_ptr, qk_scale, A_RANGE, A_LEN)
+            a_start, a_len, a_req, xa, a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+            a_idx_ptr, a_stride_idx, a_bt_ptr, a_stride_bt, a_max_blocks, qk_scale, A_RANGE, True)
         if HAS_B:
             o, m_i, l_i = _set_pass_bf16(
                 t, split, num_splits, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, o, m_i, l_i,
-                b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-                b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN)
+                b_start, b_len, b_req, xb, b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+                b_idx_ptr, b_stride_idx, b_bt_ptr, b_stride_bt, b_max_blocks, qk_scale, B_RANGE, False)
     else:
         o, m_i, l_i = _set_pass(
-            t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i, l_i,
-            a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-            a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
-            a_start_ptr, qk_scale, A_RANGE, A_LEN, SKIP)
+            t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i,
+            l_i, a_start, a_len, a_req, xa, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+            a_idx_ptr, a_stride_idx, a_bt_ptr, a_stride_bt, a_max_blocks, qk_scale, A_RANGE, True, SKIP)
         if HAS_B:
             o, m_i, l_i = _set_pass(
-                t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o, m_i,
-                l_i, b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
-                b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN, SKIP)
+                t, split, num_splits, q_smem, k_smem, p_smem, mx_smem, raw_bufs, rope_bufs, scale_bufs, valid_bufs, o,
+                m_i, l_i, b_start, b_len, b_req, xb, b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
+                b_idx_ptr, b_stride_idx, b_bt_ptr, b_stride_bt, b_max_blocks, qk_scale, B_RANGE, False, SKIP)
 
     # Epilogue in O's layout (rows = heads).
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
