@@ -312,10 +312,7 @@ def _sparse_mla_attn_sm90_kernel(
     # The slot reads of both sets' first chunks and set A's first gathers go out before q is
     # loaded: their dependent global reads (length -> index -> block table -> page) overlap q's
     # load and, for set B, set A's whole pass.
-    if PAGES_BF16:
-        XL: gl.constexpr = KB_ROW_L
-    else:
-        XL: gl.constexpr = ROW_L
+    XL: gl.constexpr = KB_ROW_L if PAGES_BF16 else ROW_L
     a_start, a_len, a_req = _extent(t, a_width, a_len_ptr, a_req_ptr, a_start_ptr, a_num_reqs, a_max_blocks,
                                     a_block_size, A_RANGE, A_LEN)
     xa = _entries(t, split, a_idx_ptr, a_stride_idx, a_len, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
