@@ -103,6 +103,29 @@ def test_sliding_window_releases_and_keeps_columns():
     assert m.free("a") == 5 and m.pool.num_free == 10
 
 
+@pytest.mark.parametrize("tokens", [[5, 0, 40, 17, 300], [700, 650, 3]])  # short rows: scatter; long: per row
+def test_block_table_matches_the_per_row_lists(tokens):
+    """The exported table (both write paths, with and without ``out``) holds each request's
+    block list, NULL_BLOCK in reclaimed columns and past the row, rows in the order asked."""
+    groups = [GroupSpec("full", "full", tokens_per_block=2), GroupSpec("swa", "sliding", tokens_per_block=4, window=8)]
+    m = KVCacheManager(groups, 4000)
+    for r, n in enumerate(tokens):
+        m.add_request(r, n)
+        m.advance(r, n)  # sliding columns below the window are reclaimed
+    order = list(reversed(range(len(tokens))))
+    for g in ("full", "swa"):
+        want = [m.block_ids(r, g) for r in order]
+        width = max(map(len, want)) + 3
+        expect = [row + [NULL_BLOCK] * (width - len(row)) for row in want]
+        assert m.block_table(order, g, width=width).tolist() == expect
+        out = torch.full((len(order), width), 123, dtype=torch.int32)
+        assert m.block_table(order, g, out=out) is out and out.tolist() == expect
+    with pytest.raises(ValueError, match="out must be"):
+        m.block_table(order, "full", out=torch.zeros(len(order), 400, dtype=torch.int64))
+    with pytest.raises(ValueError, match="width"):
+        m.block_table(order, "full", out=torch.zeros(len(order), 1, dtype=torch.int32))
+
+
 def test_exhaustion_is_all_or_nothing_across_groups():
     m = KVCacheManager(GROUPS, 12)
     m.add_request("a", 8)  # full 1 + swa 2 + state 4 + wide 2 = 9 blocks

@@ -31,6 +31,7 @@ refuse negative counts, ids they did not hand out and a second give-back of the 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from itertools import chain
 
 import torch
 
@@ -217,9 +218,12 @@ class KVCacheManager:
         _count("num_tokens", num_tokens)
         if num_tokens < self._num_tokens[req_id]:
             raise ValueError(f"num_tokens {num_tokens} < current {self._num_tokens[req_id]} for {req_id!r}")
+        tables = self._tables[req_id]
+        if all(len(tables[g.name]) >= cdiv(num_tokens, g.tokens_per_block) for g in self.groups):
+            self._num_tokens[req_id] = num_tokens  # no new column in any group (most decode steps)
+            return
         need = self.blocks_needed_by_group(req_id, num_tokens)
         self._raise_if_short(req_id, need, num_tokens, "more ")
-        tables = self._tables[req_id]
         for g in self.groups:
             ids = iter(self.pools[g.name].take(need[g.name]))
             table = tables[g.name]
@@ -240,8 +244,12 @@ class KVCacheManager:
             raise ValueError(f"num_tokens must be in [{self._num_computed[req_id]}, {self._num_tokens[req_id]}] "
                              f"for {req_id!r}, got {num_tokens}")
         freed = 0
+        tables = self._tables[req_id]
+        if all(len(tables[g.name]) <= cdiv(num_tokens, g.tokens_per_block) for g in self.groups):
+            self._num_tokens[req_id] = num_tokens  # no column to cut in any group
+            return 0
         for g in self.groups:
-            table = self._tables[req_id][g.name]
+            table = tables[g.name]
             keep = cdiv(num_tokens, g.tokens_per_block)
             ids = [b for b in table[keep:] if b != NULL_BLOCK]
             self.pools[g.name].give_back(ids)
@@ -321,22 +329,51 @@ class KVCacheManager:
 
     # ---- export ---------------------------------------------------------------------------
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
+                    device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """``[len(req_ids), width]`` int32 block table of ``group`` (rows in ``req_ids`` order),
         padded with ``NULL_BLOCK``. ``width`` defaults to the longest row; a fixed capacity width
-        keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit."""
+        keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit. ``out``: a
+        CPU int32 ``[len(req_ids), >= longest]`` tensor to fill and return instead (``width``
+        and ``device`` are then ignored). The live columns of all rows become one tensor, written
+        with one scatter (short rows: sliding groups, short contexts) or one slice per row (long
+        rows), so the host cost follows the live entries, not a tensor per row."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
         skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
         longest = max((len(r) for r in rows), default=0)
-        width = longest if width is None else width
+        if out is not None:
+            if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or out.shape[0] != len(rows):
+                raise ValueError(f"out must be a CPU int32 [{len(rows)}, width] tensor, got {out.dtype} "
+                                 f"{tuple(out.shape)} on {out.device}")
+            width = out.shape[1]
+        else:
+            width = longest if width is None else width
         if width < longest:
             raise ValueError(f"width {width} < longest {g.name} block table ({longest} columns)")
-        out = torch.full((len(rows), width), NULL_BLOCK, dtype=torch.int32)
-        for i, (row, lo) in enumerate(zip(rows, skip)):
-            if len(row) > lo:  # host work per row: its live columns only (sliding groups: a few)
-                out[i, lo: len(row)] = torch.tensor(row[lo:], dtype=torch.int32)
-        return out.to(device)
+        table = out if out is not None else torch.empty((len(rows), width), dtype=torch.int32)
+        table.fill_(NULL_BLOCK)
+        # host work: the live columns of each row only (sliding groups: a few per row)
+        live = [(i, lo, len(row)) for i, (row, lo) in enumerate(zip(rows, skip)) if len(row) > lo]
+        if live:
+            vals = torch.tensor(list(chain.from_iterable(rows[i][lo:hi] for i, lo, hi in live)), dtype=torch.int32)
+            if len(vals) > 64 * len(live):  # long rows: one slice copy per row beats per-value indices
+                at = 0
+                for i, lo, hi in live:
+                    table[i, lo:hi] = vals[at:at + hi - lo]
+                    at += hi - lo
+                return table if out is not None else table.to(device)
+            counts = torch.tensor([hi - lo for _, lo, hi in live])
+            begin = torch.cumsum(counts, 0) - counts  # each live row's first value in vals
+            # which live row each value belongs to (a cumulative sum of row starts: CPU
+            # repeat_interleave costs milliseconds even for a few hundred values)
+            mark = torch.zeros(len(vals), dtype=torch.int64)
+            mark[begin[1:]] = 1
+            which = torch.cumsum(mark, 0)
+            rows_t = torch.tensor([i for i, _, _ in live])
+            first = torch.tensor([lo for _, lo, _ in live])
+            # column of each value: its row's first live column + its rank within the row
+            table[rows_t[which], first[which] + torch.arange(len(vals)) - begin[which]] = vals
+        return table if out is not None else table.to(device)
 
     # ---- helpers --------------------------------------------------------------------------
     def _raise_if_short(self, req_id: Hashable, need: Mapping[str, int], num_tokens: int, more: str) -> None:

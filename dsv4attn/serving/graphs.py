@@ -64,6 +64,10 @@ class DecodeGraphs:
         self.groups = {g.name: g for g in engine.manager.groups}
         self.tables = {name: torch.full((n, cdiv(L, g.tokens_per_block)), NULL_BLOCK, dtype=torch.int32, device=dev)
                        for name, g in self.groups.items()}
+        # their host-side images, rewritten each step (pinned on CUDA: the copy is a plain DMA)
+        pin = dev.type == "cuda"
+        self._host = {name: torch.full(t.shape, NULL_BLOCK, dtype=torch.int32, pin_memory=pin)
+                      for name, t in self.tables.items()}
         self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
         self.slots = torch.full((n * q, ), -1, dtype=torch.int64, device=dev)
         hs = engine.layers[0].config.hidden_size
@@ -89,19 +93,21 @@ class DecodeGraphs:
         pos = torch.arange(q, dtype=torch.int64).repeat(bucket)  # pad requests: positions 0 .. q-1
         slots = torch.full((bucket * q,), -1, dtype=torch.int64)
         for name, t in self.tables.items():
-            host = torch.full((bucket, t.shape[1]), NULL_BLOCK, dtype=torch.int32)
+            host = self._host[name][:bucket]  # persistent host buffer: no per-step allocation
             if R:
-                rows = m.block_table(order, name)
-                host[:R, :rows.shape[1]] = rows
-            if name == GROUP_SWA:
-                for i, s in enumerate(seq_lens):
-                    for j in range(q):
-                        p = s - q + j
-                        pos[i * q + j] = p
-                        slots[i * q + j] = int(host[i, p // swa_bs]) * swa_bs + p % swa_bs
-                host[R:, 0] = 0  # pad rows: a valid id in the one column position 0 maps to (never read)
-            elif name == GROUP_FULL_MLA and q > 1:  # pads reach entry 0 (p = 3): an id for the builder's
-                host[R:, 0] = 0  # check; their compressed slots are cleared below, so nothing is written
+                m.block_table(order, name, out=host[:R])  # NULL_BLOCK past each row's live columns
+            host[R:].fill_(NULL_BLOCK)
+            if name == GROUP_SWA and R:
+                # the new tokens' positions and SWA slots, all requests at once
+                p = torch.tensor(seq_lens, dtype=torch.int64)[:, None] - q + torch.arange(q)[None, :]  # [R, q]
+                blk = host[torch.arange(R)[:, None], p // swa_bs].to(torch.int64)
+                pos[:R * q] = p.flatten()
+                slots[:R * q] = (blk * swa_bs + p % swa_bs).flatten()
+            if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1):
+                # SWA pad rows: a valid id in the one column position 0 maps to (never read); full
+                # pad rows when q > 1 reach entry 0 (p = 3): an id for the builder's check, their
+                # compressed slots are cleared below, so nothing is written
+                host[R:, 0] = 0
             t[:bucket].copy_(host)
         self.positions[:bucket * q].copy_(pos)
         self.slots[:bucket * q].copy_(slots)
