@@ -88,13 +88,16 @@ class ShardedManager:
         return {n: m.blocks_needed_by_group(req_id if req_id in self else None, self.target(n, num_tokens))[n]
                 for n, m in self.managers.items()}
 
+    def covers(self, req_id: Hashable, num_tokens: int) -> bool:
+        return all(m.covers(req_id, self.target(n, num_tokens)) for n, m in self.managers.items())
+
     def shortfall(self, demand: Mapping[str, int]) -> list:
         return [(n, k, self.pools[n]) for n, k in demand.items() if k > self.pools[n].num_free]
 
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
+                    device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """The rank's table of ``group`` (local entries for SWA and ``full_mla``)."""
-        return self.managers[group].block_table(req_ids, group, width, device)
+        return self.managers[group].block_table(req_ids, group, width, device, out=out)
 
     # ---- mutations (all or nothing) --------------------------------------------------------
     def add_request(self, req_id: Hashable, num_tokens: int = 0) -> None:

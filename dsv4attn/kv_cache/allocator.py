@@ -219,7 +219,7 @@ class KVCacheManager:
         if num_tokens < self._num_tokens[req_id]:
             raise ValueError(f"num_tokens {num_tokens} < current {self._num_tokens[req_id]} for {req_id!r}")
         tables = self._tables[req_id]
-        if all(len(tables[g.name]) >= cdiv(num_tokens, g.tokens_per_block) for g in self.groups):
+        if self.covers(req_id, num_tokens):
             self._num_tokens[req_id] = num_tokens  # no new column in any group (most decode steps)
             return
         need = self.blocks_needed_by_group(req_id, num_tokens)
@@ -303,18 +303,30 @@ class KVCacheManager:
     def _reclaim(self, req_id: Hashable) -> int:
         """Give back the sliding columns no token at or after the rollback floor can read."""
         freed = 0
+        floor, done = self._floor[req_id], self._reclaimed[req_id]
         for g in self.groups:
+            if g.kind == "full":
+                continue  # full groups keep every column
             table = self._tables[req_id][g.name]
+            hi = min(self._first_live_col(g, floor), len(table))
+            if hi <= done[g.name]:
+                continue  # nothing newly out of reach (most steps)
             ids = []
-            hi = min(self._first_live_col(g, self._floor[req_id]), len(table))
-            for c in range(self._reclaimed[req_id][g.name], hi):
+            for c in range(done[g.name], hi):
                 if table[c] != NULL_BLOCK:
                     ids.append(table[c])
                     table[c] = NULL_BLOCK
-            self._reclaimed[req_id][g.name] = max(hi, self._reclaimed[req_id][g.name])
-            self.pools[g.name].give_back(ids)
+            done[g.name] = hi
+            if ids:
+                self.pools[g.name].give_back(ids)
             freed += len(ids)
         return freed
+
+    def covers(self, req_id: Hashable, num_tokens: int) -> bool:
+        """Whether a known request's tables already have a column for every position below
+        ``num_tokens`` in every group (a grow to it then takes no block)."""
+        tables = self._tables[self._check(req_id)]
+        return all(len(tables[g.name]) >= cdiv(num_tokens, g.tokens_per_block) for g in self.groups)
 
     def free(self, req_id: Hashable) -> int:
         """Forget ``req_id`` and return all its blocks to the pools; returns how many."""
