@@ -64,10 +64,8 @@ class DecodeGraphs:
         self.groups = {g.name: g for g in engine.manager.groups}
         self.tables = {name: torch.full((n, cdiv(L, g.tokens_per_block)), NULL_BLOCK, dtype=torch.int32, device=dev)
                        for name, g in self.groups.items()}
-        # their host-side images, rewritten each step (pinned on CUDA: the copy is a plain DMA)
-        pin = dev.type == "cuda"
-        self._host = {name: torch.full(t.shape, NULL_BLOCK, dtype=torch.int32, pin_memory=pin)
-                      for name, t in self.tables.items()}
+        # their host-side images, rewritten each step (one allocation, not one per step)
+        self._host = {name: torch.full(t.shape, NULL_BLOCK, dtype=torch.int32) for name, t in self.tables.items()}
         self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
         self.slots = torch.full((n * q, ), -1, dtype=torch.int64, device=dev)
         hs = engine.layers[0].config.hidden_size
