@@ -126,6 +126,22 @@ def test_block_table_matches_the_per_row_lists(tokens):
         m.block_table(order, "full", out=torch.zeros(len(order), 1, dtype=torch.int32))
 
 
+def test_covers_says_whether_a_grow_takes_blocks():
+    """``covers(req, n)``: every group already has the columns for n tokens, i.e. a grow to n
+    takes nothing from the pools (the fast path of grow and of the engine's step check)."""
+    m = KVCacheManager(GROUPS, 64)
+    m.add_request("a", 7)  # full: 1 column of 8, swa: 2 of 4, state: 4 of 2, wide: 2 of 4
+    assert m.covers("a", 8) and m.covers("a", 7) and not m.covers("a", 9)
+    for n in (8, 9, 17):
+        free = m.pool.num_free
+        takes = m.blocks_needed("a", n)
+        assert (takes == 0) == m.covers("a", n)
+        m.grow("a", n)
+        assert free - m.pool.num_free == takes
+    with pytest.raises(KeyError):
+        m.covers("b", 1)
+
+
 def test_exhaustion_is_all_or_nothing_across_groups():
     m = KVCacheManager(GROUPS, 12)
     m.add_request("a", 8)  # full 1 + swa 2 + state 4 + wide 2 = 9 blocks
