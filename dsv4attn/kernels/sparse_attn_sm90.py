@@ -64,8 +64,6 @@ ROW_L = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, RAW_L)))
 # bf16 pages: [64 rows, 512] rows gathered 16 bytes per thread, four rows per thread.
 KB_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0]))
 KB_ROW_L = gl.constexpr(gl.SliceLayout(1, KB_L))
-#: Rows dequantised per step (bounds the fp32 values live next to the accumulator).
-DQ_ROWS = gl.constexpr(16)
 # Shared layouts: wgmma operands (128-byte swizzle), raw rows unswizzled (one 512 B row per warp).
 MMA_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 RAW_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
@@ -138,8 +136,10 @@ def _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_s
 
 @gluon.jit
 def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
-    """Raw stage -> bf16 K [64, 512] in shared memory, DQ_ROWS rows at a time (the caller
-    synchronises around it). Scale of (row, tile) = 2^(byte - 127); tile 7 is the RoPE."""
+    """Raw stage -> bf16 K [64, 512] in shared memory with one store (Triton's barrier pass
+    fences every store into part of one buffer, so row or column slices would each cost a CTA
+    barrier; the caller synchronises around it). Scale of (row, tile) = 2^(byte - 127); tile 7
+    is the RoPE, whose raw bytes and scale byte are padding."""
     L64: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
     raw = raw_buf.load(L64)
     e = scale_buf.load(gl.SliceLayout(2, L64)).to(gl.uint32)
@@ -147,7 +147,7 @@ def _dequant_chunk(raw_buf, rope_buf, scale_buf, k_smem):
     f = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
     rope = gl.expand_dims(rope_buf.load(gl.SliceLayout(1, L64)), 1)
     tile = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L64))), 0), 2)
-    f = gl.where(tile < 7, f, rope)  # tile 7 is the RoPE (its raw bytes and scale byte are padding)
+    f = gl.where(tile < 7, f, rope)
     k_smem.store(gl.reshape(f, [BLOCK_N, HEAD_DIM]))
 
 
@@ -201,7 +201,7 @@ def _softmax_pv(s, valid_buf, o, m_i, l_i, p_smem, mx_smem, v_smem, qk_scale, SK
     """One online-softmax step (base 2) on the logits ``s`` [64, 64] of a chunk (invalid
     candidates -inf) and ``O += P V`` with V the chunk's K tile in ``v_smem``. ``l_i`` is kept
     per element ([64, 64], summed once in the epilogue) and the row maxima of the two
-    warpgroups' column halves meet in ``mx_smem`` [2, 64]: one CTA barrier for the softmax."""
+    warpgroups' column halves meet in ``mx_smem`` [64, 2]: one CTA barrier for the softmax."""
     ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S_L)) != 0, 0)
     s = gl.where(ok, s * qk_scale, float("-inf"))
     half = gl.max(gl.reshape(s, [BLOCK_H, 2, BLOCK_N // 2]), axis=2)  # [64, 2]: within each warpgroup
