@@ -376,15 +376,10 @@ class KVCacheManager:
                 return table if out is not None else table.to(device)
             counts = torch.tensor([hi - lo for _, lo, hi in live])
             begin = torch.cumsum(counts, 0) - counts  # each live row's first value in vals
-            # which live row each value belongs to (a cumulative sum of row starts: CPU
-            # repeat_interleave costs milliseconds even for a few hundred values)
-            mark = torch.zeros(len(vals), dtype=torch.int64)
-            mark[begin[1:]] = 1
-            which = torch.cumsum(mark, 0)
-            rows_t = torch.tensor([i for i, _, _ in live])
-            first = torch.tensor([lo for _, lo, _ in live])
+            rows_t = torch.tensor([i for i, _, _ in live]).repeat_interleave(counts)
             # column of each value: its row's first live column + its rank within the row
-            table[rows_t[which], first[which] + torch.arange(len(vals)) - begin[which]] = vals
+            cols = (torch.tensor([lo for _, lo, _ in live]) - begin).repeat_interleave(counts) + torch.arange(len(vals))
+            table[rows_t, cols] = vals
         return table if out is not None else table.to(device)
 
     # ---- helpers --------------------------------------------------------------------------
