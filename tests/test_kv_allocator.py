@@ -140,6 +140,8 @@ def test_covers_says_whether_a_grow_takes_blocks():
         assert free - m.pool.num_free == takes
     with pytest.raises(KeyError):
         m.covers("b", 1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.covers("a", -1)
 
 
 def test_exhaustion_is_all_or_nothing_across_groups():

@@ -88,9 +88,6 @@ class ShardedManager:
         return {n: m.blocks_needed_by_group(req_id if req_id in self else None, self.target(n, num_tokens))[n]
                 for n, m in self.managers.items()}
 
-    def covers(self, req_id: Hashable, num_tokens: int) -> bool:
-        return all(m.covers(req_id, self.target(n, num_tokens)) for n, m in self.managers.items())
-
     def shortfall(self, demand: Mapping[str, int]) -> list:
         return [(n, k, self.pools[n]) for n, k in demand.items() if k > self.pools[n].num_free]
 

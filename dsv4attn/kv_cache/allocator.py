@@ -169,6 +169,8 @@ class KVCacheManager:
     def blocks_needed_by_group(self, req_id: Hashable | None, num_tokens: int) -> dict[str, int]:
         """Blocks per group a grow to ``num_tokens`` would take (``None``: a new request)."""
         have = self._tables.get(req_id) if req_id is not None else None
+        if have is not None and self._covered(have, num_tokens):
+            return dict.fromkeys(have, 0)  # no new column in any group (most decode steps)
         out = {}
         for g in self.groups:
             cur = len(have[g.name]) if have is not None else 0
@@ -219,7 +221,7 @@ class KVCacheManager:
         if num_tokens < self._num_tokens[req_id]:
             raise ValueError(f"num_tokens {num_tokens} < current {self._num_tokens[req_id]} for {req_id!r}")
         tables = self._tables[req_id]
-        if self.covers(req_id, num_tokens):
+        if self._covered(tables, num_tokens):
             self._num_tokens[req_id] = num_tokens  # no new column in any group (most decode steps)
             return
         need = self.blocks_needed_by_group(req_id, num_tokens)
@@ -325,7 +327,9 @@ class KVCacheManager:
     def covers(self, req_id: Hashable, num_tokens: int) -> bool:
         """Whether a known request's tables already have a column for every position below
         ``num_tokens`` in every group (a grow to it then takes no block)."""
-        tables = self._tables[self._check(req_id)]
+        return self._covered(self._tables[self._check(req_id)], _count("num_tokens", num_tokens))
+
+    def _covered(self, tables: Mapping[str, list[int]], num_tokens: int) -> bool:
         return all(len(tables[g.name]) >= cdiv(num_tokens, g.tokens_per_block) for g in self.groups)
 
     def free(self, req_id: Hashable) -> int:

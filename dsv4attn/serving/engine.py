@@ -313,8 +313,6 @@ class PagedAttentionEngine:
                 raise ValueError(f"request {rid!r} would reach {start + n} tokens > max_model_len={self.max_model_len}")
             starts[rid] = start
             total += n
-            if known and self.manager.covers(rid, start + n):
-                continue  # no new block in any group (most decode steps)
             for g, k in self.manager.blocks_needed_by_group(rid if known else None, start + n).items():
                 demand[g] += k
         if total > self.max_num_batched_tokens:
