@@ -90,10 +90,20 @@ def put_contexts(eng: PagedAttentionEngine, batch: int, ctx: int) -> None:
             eng.manager.advance(r, end)
 
 
-def decode_rows(cfg, layers, dev, batch, ctx, graphs: bool) -> list[Row]:
-    eng = PagedAttentionEngine(layers, "fp8_ds_mla", num_blocks=batch * (-(-(ctx + 64) // 256)) + 4, device=dev,
-                               max_num_batched_tokens=max(batch, 256), max_model_len=ctx + 64, max_num_reqs=batch)
+def decode_engine(layers, dev, batch: int, ctx: int, room: int = 64, step_tokens: int = 256,
+                  **kwargs) -> PagedAttentionEngine:
+    """An fp8_ds_mla engine over ``layers`` with requests 0..batch-1 at ``ctx`` computed tokens
+    and blocks for ``room`` more tokens each (steps of up to ``max(batch, step_tokens)`` tokens;
+    ``kwargs`` go to the engine)."""
+    eng = PagedAttentionEngine(layers, "fp8_ds_mla", num_blocks=batch * (-(-(ctx + room) // 256)) + 4, device=dev,
+                               max_num_batched_tokens=max(batch, step_tokens), max_model_len=ctx + room,
+                               max_num_reqs=batch, **kwargs)
     put_contexts(eng, batch, ctx)
+    return eng
+
+
+def decode_rows(cfg, layers, dev, batch, ctx, graphs: bool) -> list[Row]:
+    eng = decode_engine(layers, dev, batch, ctx)
     step = {r: 1 for r in range(batch)}
     hs = cfg.hidden_size
     x = torch.randn(batch, hs, device=dev, dtype=layers[0].sinks.dtype)

@@ -24,20 +24,17 @@ import time
 
 import torch
 
-from benchmarks.bench_model import flash_config, floor_row, make_layers, put_contexts
+from benchmarks.bench_model import decode_engine, flash_config, floor_row, make_layers
 from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
-from dsv4attn.serving.engine import PagedAttentionEngine
 from dsv4attn.serving.paged import layer_step
 
 K_MAX = 3
 
 
 def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tuple[list[Row], list[Row]]:
-    room = ctx + 1024  # every timed engine step keeps one token per request (k drafts rolled back)
-    eng = PagedAttentionEngine(layers, "fp8_ds_mla", num_blocks=batch * (-(-room // 256)) + 4, device=dev,
-                               max_num_batched_tokens=max(batch * (1 + K_MAX), 256), max_model_len=room,
-                               max_num_reqs=batch, num_speculative_tokens=K_MAX)
-    put_contexts(eng, batch, ctx)
+    # every timed engine step keeps one token per request (k drafts rolled back): room for 1024
+    eng = decode_engine(layers, dev, batch, ctx, room=1024, step_tokens=max(batch * (1 + K_MAX), 256),
+                        num_speculative_tokens=K_MAX)
     for r in range(batch):
         eng.commit(r)
     layer_rows, step_rows, base = [], [], {}

@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from benchmarks.bench_model import flash_config, make_layers, put_contexts
-from dsv4attn.serving.engine import PagedAttentionEngine
+from benchmarks.bench_model import decode_engine, flash_config, make_layers
 
 
 def main() -> None:
@@ -34,10 +33,7 @@ def main() -> None:
     cfg = flash_config(("sliding", "csa", "hca"), True)
     layers = make_layers(cfg, torch.device("cpu"), torch.float32)
     b, ctx = a.batch, a.ctx
-    eng = PagedAttentionEngine(layers, "fp8_ds_mla", num_blocks=b * (-(-(ctx + 256) // 256)) + 4,
-                               device=torch.device("cpu"), max_num_batched_tokens=max(b, 256),
-                               max_model_len=ctx + 256, max_num_reqs=b)
-    put_contexts(eng, b, ctx)
+    eng = decode_engine(layers, torch.device("cpu"), b, ctx, room=256)
     if a.graphs:
         eng.enable_cuda_graphs(buckets=(b,), capture=False)
     step = {r: 1 for r in range(b)}

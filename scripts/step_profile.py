@@ -14,8 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_model import flash_config, make_layers, put_contexts
-from dsv4attn.serving.engine import PagedAttentionEngine
+from benchmarks.bench_model import decode_engine, flash_config, make_layers
 
 
 def main() -> None:
@@ -30,9 +29,7 @@ def main() -> None:
     cfg = flash_config(("sliding", "csa", "hca"), not cuda)
     layers = make_layers(cfg, dev, torch.bfloat16 if cuda else torch.float32)
     b, ctx = (a.batch, a.ctx) if cuda else (4, 300)
-    eng = PagedAttentionEngine(layers, "fp8_ds_mla", num_blocks=b * (-(-(ctx + 64) // 256)) + 4, device=dev,
-                               max_num_batched_tokens=max(b, 256), max_model_len=ctx + 64, max_num_reqs=b)
-    put_contexts(eng, b, ctx)
+    eng = decode_engine(layers, dev, b, ctx)
     eng.enable_cuda_graphs(buckets=(b,), capture=cuda)
     eng.begin_step({r: 1 for r in range(b)})
     g = eng.graphs
