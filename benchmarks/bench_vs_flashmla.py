@@ -110,15 +110,39 @@ def compare(name: str, ref, got, lse_ref, lse_got) -> tuple[float, float]:
     return d_out, d_lse
 
 
-def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool,
-                gen) -> list[Result]:
-    name = f"decode h{h} B{b}"
+@dataclass
+class DecodeInputs:
+    """One decode batch: ``topk`` candidates per token in ``main`` and ``swa`` in ``extra``
+    (fp8_ds_mla caches written by dsv4attn; FlashMLA's ``[b, 1, k]`` index form), q ``[b, 1, h,
+    D]``, a sink, and the same candidates as dsv4attn's indices-form ``sets``."""
+
+    main: torch.Tensor
+    extra: torch.Tensor
+    idx: torch.Tensor
+    eidx: torch.Tensor
+    q: torch.Tensor
+    sink: torch.Tensor
+    sets: list[CandidateSet]
+
+
+def decode_inputs(b: int, h: int, topk: int, swa: int, device, gen) -> DecodeInputs:
     main = fp8_cache(b * topk, device, gen)
     extra = fp8_cache(b * swa, device, gen)
     idx = disjoint_slots(b, topk, main.shape[0] * BLOCK, device, gen)
     eidx = disjoint_slots(b, swa, extra.shape[0] * BLOCK, device, gen)
     q = (torch.randn(b, 1, h, D, device=device, generator=gen) * 0.5).to(torch.bfloat16)
     sink = torch.randn(h, device=device, generator=gen)
+    i32 = dict(dtype=torch.int32, device=device)
+    sets = [CandidateSet(cache=c, lengths=torch.full((b,), i.shape[-1], **i32), indices=i[:, 0, :].contiguous())
+            for c, i in ((main, idx), (extra, eidx))]
+    return DecodeInputs(main, extra, idx, eidx, q, sink, sets)
+
+
+def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool,
+                gen) -> list[Result]:
+    name = f"decode h{h} B{b}"
+    x = decode_inputs(b, h, topk, swa, device, gen)
+    main, extra, idx, eidx, q, sink, sets = x.main, x.extra, x.idx, x.eidx, x.q, x.sink, x.sets
     ours_meta, _ = dsv4attn.get_mla_metadata()
     args = dict(softmax_scale=SCALE, is_fp8_kvcache=True, indices=idx, attn_sink=sink,
                 extra_indices_in_kvcache=eidx)
@@ -135,9 +159,6 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     if graphs:
         res.dsv4attn_graph_us = graph_us(ours)
     # The batch-invariant mode through the op (same bytes, both sets in indices form).
-    i32 = dict(dtype=torch.int32, device=device)
-    sets = [CandidateSet(cache=c, lengths=torch.full((b,), i.shape[-1], **i32), indices=i[:, 0, :].contiguous())
-            for c, i in ((main, idx), (extra, eidx))]
     q3 = q[:, 0]
 
     def ours_det():

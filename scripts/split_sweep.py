@@ -14,9 +14,8 @@ import argparse
 import torch
 
 import dsv4attn
-from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache, graph_us
+from benchmarks.bench_vs_flashmla import D, SCALE, decode_inputs, graph_us
 from dsv4attn.ops.sparse_attn_launch import kernel_config
-from dsv4attn.ops.candidate_set import CandidateSet
 
 
 def main() -> None:
@@ -32,14 +31,8 @@ def main() -> None:
     print("|---|---|---|" + "---|" * len(splits))
     for h in (int(x) for x in a.heads.split(",")):
         for b in (int(x) for x in a.batches.split(",")):
-            main_c, extra = fp8_cache(b * 512, device, gen), fp8_cache(b * 128, device, gen)
-            idx = disjoint_slots(b, 512, main_c.shape[0] * BLOCK, device, gen)[:, 0]
-            eidx = disjoint_slots(b, 128, extra.shape[0] * BLOCK, device, gen)[:, 0]
-            i32 = dict(dtype=torch.int32, device=device)
-            sets = [CandidateSet(cache=c, lengths=torch.full((b,), i.shape[-1], **i32), indices=i.contiguous())
-                    for c, i in ((main_c, idx), (extra, eidx))]
-            q = (torch.randn(b, h, D, device=device, generator=gen) * 0.5).to(torch.bfloat16)
-            sink = torch.randn(h, device=device, generator=gen)
+            x = decode_inputs(b, h, 512, 128, device, gen)
+            q, sets, sink = x.q[:, 0], x.sets, x.sink
             picked = kernel_config(b, h, D, 640, device).num_splits
             times = [graph_us(lambda s=s: dsv4attn.sparse_mla_attention(q, sets, SCALE, sink, num_splits=s))
                      for s in splits]
