@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-from dsv4attn.ops.sparse_attn_launch import KernelConfig, launch, pick_splits
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch, pick_splits
 from dsv4attn.testing.attention_oracle import (
     PROD_LAYOUT,
     SMALL_LAYOUT,
@@ -143,6 +143,22 @@ def test_split_kv_matches_single_pass(device):
     o4, l4 = sparse_mla_attention(q, [a.cset], 0.15, sink, impl="triton", num_splits=4)
     torch.testing.assert_close(l1, l4, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o1.float(), o4.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_forced_split_count_is_capped_at_16(device):
+    """A forced ``num_splits`` above 16 runs 16 splits (the combine merges at most 16 partials
+    per row): same result as 16, no error; non-positive or non-int counts are still refused."""
+    gen = torch.Generator().manual_seed(6)
+    a = build_set(SetSpec("indices", True, 16, 300), 1, [0], SMALL_LAYOUT, gen, device)
+    q = torch.randn(1, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    assert kernel_config(1, 4, SMALL_LAYOUT.head_dim, 300, q.device, 40).num_splits == 16
+    o16, l16 = sparse_mla_attention(q, [a.cset], 0.15, impl="triton", num_splits=16)
+    o40, l40 = sparse_mla_attention(q, [a.cset], 0.15, impl="triton", num_splits=40)
+    assert torch.equal(o16, o40) and torch.equal(l16, l40)
+    assert_matches(o40, l40, oracle(q, [a], 0.15, None), oracle(q, [a], 0.15, None, True), "40 splits")
+    for bad in (0, -2, 2.0):
+        with pytest.raises(ValueError, match="num_splits"):
+            sparse_mla_attention(q, [a.cset], 0.15, impl="triton", num_splits=bad)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
