@@ -120,10 +120,9 @@ def test_fuzz_insert_indexer_k(n, seed, mut, impl):
 
 
 STATE_MUTS = (
-    [m for m in _src_muts("kv") if not m.label.startswith("dtype torch.f") and "bfloat16" not in m.label]
-    + [Mutation("kv", "bf16", lambda t: t.bfloat16(), "refuse")]
-    + tensor_mutations("score", [F32], strided_same=False) + [Mutation("score", "rows strided", _row_strided, "same")]
-    + tensor_mutations("ape", [F32], exact_len=False, strided_same=False)
+    _src_muts("kv")
+    + tensor_mutations("score", FLOATS, strided_same=False) + [Mutation("score", "rows strided", _row_strided, "same")]
+    + tensor_mutations("ape", FLOATS, exact_len=False, strided_same=False)
     + [Mutation("ape", "no rows", lambda t: t[:0], "refuse"), Mutation("ape", "rows strided", _row_strided, "same")]
     + tensor_mutations("positions", [I32, I64]) + _slot_muts(NB * BS)
     + tensor_mutations("state_cache", [F32], exact_len=False, strided_same=False, output=True)

@@ -243,6 +243,53 @@ def test_write_compressor_state_nan_poisoned(impl, ratio, coff, dim, device):
     assert torch.equal(got.nan_to_num(1234.5), want.nan_to_num(1234.5))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_write_compressor_state_slots_from_table(impl, in_dtype, device):
+    """``slot_mapping=None``: token t lands at entry ``positions[t]`` of request ``token_to_req[t]``
+    through the block table (plain-Python oracle of the slot formula); holes (-1 blocks), columns
+    past the table, negative positions and requests outside the table write nothing. bf16 inputs
+    are widened exactly (fp32 sum with the bias)."""
+    ratio, width, bs, nb, n = 4, 6, 4, 6, 14
+    row = 2 * width
+    state = torch.full((nb, bs, row), float("nan"), device=device)
+    table = torch.tensor([[3, -1, 0], [5, 1, -1]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    kv, score = torch.randn(n, width, generator=g).to(in_dtype), torch.randn(n, width, generator=g).to(in_dtype)
+    ape = torch.randn(ratio, width, generator=g).to(in_dtype)
+    positions = torch.tensor([0, 3, 4, 5, 9, 11, 12, -1, 2, 6, 7, 8, 13, 1], dtype=torch.int32)
+    t2r = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2], dtype=torch.int32)  # 2: no such request
+    args = [t.to(device) for t in (kv, score, ape, positions)]
+    write_compressor_state(*args, None, state, block_table=table.to(device), token_to_req=t2r.to(device),
+                           impl=impl)
+    want = torch.full((nb, bs, row), float("nan"))
+    for t in range(n):
+        p, r = int(positions[t]), int(t2r[t])
+        if p < 0 or r >= table.shape[0] or p // bs >= table.shape[1] or table[r, p // bs] < 0:
+            continue
+        b, o = int(table[r, p // bs]), p % bs
+        want[b, o, :width] = kv[t].float()
+        want[b, o, width:] = score[t].float() + ape[p % ratio].float()
+    assert torch.equal(state.cpu().nan_to_num(1234.5), want.nan_to_num(1234.5))
+
+
+def test_write_compressor_state_slot_arguments_raise(device):
+    kv = torch.zeros(2, 4, device=device)
+    pos = torch.zeros(2, dtype=torch.int32, device=device)
+    state = torch.zeros(2, 4, 8, device=device)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    t2r = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="needs block_table and token_to_req"):
+        write_compressor_state(kv, kv, kv[:1], pos, None, state, block_table=table)
+    with pytest.raises(ValueError, match="not both"):
+        write_compressor_state(kv, kv, kv[:1], pos, pos, state, block_table=table, token_to_req=t2r)
+    with pytest.raises(TypeError, match="token_to_req"):
+        write_compressor_state(kv, kv, kv[:1], pos, None, state, block_table=table, token_to_req=t2r.long())
+    with pytest.raises(ValueError, match="block_table ids"):
+        write_compressor_state(kv, kv, kv[:1], pos, None, state, block_table=table + 5, token_to_req=t2r)
+    assert torch.all(state == 0)
+
+
 def test_empty_and_all_skipped(device):
     for impl in IMPLS:
         cache = alloc_fp8_ds_mla_cache(2, 4, device=device, fill=POISON)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4attn.kernels.common import bf16_bits, e4m3_encode, page_offset, pow2, pow2_exponent_for, round_to_bf16
+from dsv4attn.kernels.common import (
+    bf16_bits, e4m3_encode, entry_slot, page_offset, pow2, pow2_exponent_for, round_to_bf16,
+)
 
 
 @triton.jit
@@ -120,17 +122,25 @@ def _insert_indexer_k_fp8_kernel(
 
 @triton.jit
 def _write_compressor_state_kernel(
-    kv_ptr, score_ptr, ape_ptr, pos_ptr, slot_ptr, state_ptr,
+    kv_ptr, score_ptr, ape_ptr, pos_ptr, slot_ptr, state_ptr, bt_ptr, t2r_ptr,
     stride_kv_t, stride_score_t, stride_ape_r, stride_state_block, stride_state_entry,
-    block_size, num_slots, ratio, width,
-    BLOCK_W: tl.constexpr,
+    block_size, num_slots, ratio, width, stride_bt, num_reqs, max_blocks,
+    BLOCK_W: tl.constexpr, SLOTS_FROM_TABLE: tl.constexpr,
 ):
-    """state[slot] = [kv[t] | score[t] + ape[pos[t] % ratio]] (fp32, width = coff*D each)."""
+    """state[slot] = [kv[t] | score[t] + ape[pos[t] % ratio]] (fp32, width = coff*D each; inputs
+    of any float dtype, widened to fp32). The slot is ``slot_ptr[t]``, or with SLOTS_FROM_TABLE
+    entry ``pos[t]`` of request ``t2r[t]`` in the block table (the slot formula; a hole, a
+    negative position or a request outside the table writes nothing)."""
     t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    if SLOTS_FROM_TABLE:
+        req = tl.load(t2r_ptr + t)
+        ok = (req >= 0) & (req < num_reqs)
+        slot, _ = entry_slot(bt_ptr, tl.where(ok, req, 0), p, ok, stride_bt, 1, max_blocks, block_size)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    p = tl.load(pos_ptr + t).to(tl.int64)
     rr = ((p % ratio) + ratio) % ratio
     page_off, off = page_offset(slot, block_size, stride_state_block)
     dst = state_ptr + page_off + off * stride_state_entry
@@ -138,9 +148,8 @@ def _write_compressor_state_kernel(
     for w0 in range(0, width, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
         m = w < width
-        kv = tl.load(kv_ptr + t64 * stride_kv_t + w, mask=m, other=0.0)
-        sc = tl.load(score_ptr + t64 * stride_score_t + w, mask=m, other=0.0)
-        ap = tl.load(ape_ptr + rr * stride_ape_r + w, mask=m, other=0.0)
+        kv = tl.load(kv_ptr + t64 * stride_kv_t + w, mask=m, other=0.0).to(tl.float32)
+        sc = tl.load(score_ptr + t64 * stride_score_t + w, mask=m, other=0.0).to(tl.float32)
+        ap = tl.load(ape_ptr + rr * stride_ape_r + w, mask=m, other=0.0).to(tl.float32)
         tl.store(dst + w, kv, mask=m)
         tl.store(dst + width + w, sc + ap, mask=m)
-

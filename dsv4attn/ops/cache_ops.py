@@ -36,6 +36,7 @@ from dsv4attn.kv_cache.layout import (
     layout_for_head_dim,
     normalize_kv_cache_dtype,
 )
+from dsv4attn.kv_cache.slots import entry_slots
 from dsv4attn.reference.cache_ops import (
     insert_indexer_k_ref,
     insert_kv_ref,
@@ -210,31 +211,50 @@ def write_compressor_state(
     score: torch.Tensor,
     ape: torch.Tensor,
     positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
     state_cache: torch.Tensor,
     *,
+    block_table: torch.Tensor | None = None,
+    token_to_req: torch.Tensor | None = None,
     validate_slots: bool = True,
     impl: str = "auto",
 ) -> None:
     """Save compressor state rows, in place: ``state[slot] = [kv[t] | score[t] + ape[p % r]]``.
 
-    kv, score: ``[num_tokens, W]`` fp32 with ``W = coff * D`` (coff 2 for ratio 4, 1 for 128;
-    D 512 main / 128 indexer). ape: ``[r, W]`` fp32 (its first dim is the compress ratio r).
-    positions: ``[num_tokens]`` int32/int64 raw positions (``p % r`` taken as a non-negative
-    remainder). slot_mapping: ``[num_tokens]`` int32/int64 state-group slots, -1 = skip.
-    state_cache: ``(num_blocks, block_size, 2W)`` fp32, rows contiguous, any block stride.
+    kv, score: ``[num_tokens, W]`` (bf16/fp16/fp32, widened to fp32) with ``W = coff * D`` (coff 2
+    for ratio 4, 1 for 128; D 512 main / 128 indexer). ape: ``[r, W]`` (any float dtype; its first
+    dim is the compress ratio r). positions: ``[num_tokens]`` int32/int64 raw positions (``p % r``
+    taken as a non-negative remainder). state_cache: ``(num_blocks, block_size, 2W)`` fp32, rows
+    contiguous, any block stride.
+
+    The slots: ``slot_mapping`` ``[num_tokens]`` int32/int64 state-group slots (-1 = skip), or
+    ``slot_mapping=None`` with ``block_table`` int32 ``[R, max_blocks]`` and ``token_to_req``
+    int32 ``[num_tokens]``: token t goes to entry ``positions[t]`` of its request (the slot
+    formula of ``kv_cache.slots``; a negative position, a column past the table, a freed -1 block
+    or a request outside ``[0, R)`` skips the token), computed in the kernel.
     """
-    check_tensor("kv", kv, dtype=torch.float32, ndim=2)
+    check_tensor("kv", kv, dtype=_FLOAT_INPUTS, ndim=2)
     num_tokens, width = kv.shape
     if width == 0:
         raise ValueError(f"kv must have at least one column, got shape {tuple(kv.shape)}")
-    check_tensor("score", score, dtype=torch.float32, shape=(num_tokens, width))
-    check_tensor("ape", ape, dtype=torch.float32, shape=(None, width))
+    check_tensor("score", score, dtype=_FLOAT_INPUTS, shape=(num_tokens, width))
+    check_tensor("ape", ape, dtype=_FLOAT_INPUTS, shape=(None, width))
     check_tensor("positions", positions, dtype=_SLOT_DTYPES, shape=(num_tokens,))
     check_tensor("state_cache", state_cache, dtype=torch.float32, ndim=3)
-    check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
+    from_table = slot_mapping is None
+    if from_table:
+        if block_table is None or token_to_req is None:
+            raise ValueError("slot_mapping=None needs block_table and token_to_req")
+        check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+        check_tensor("token_to_req", token_to_req, dtype=torch.int32, shape=(num_tokens,))
+        if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table rows must be contiguous, got strides {block_table.stride()}")
+    else:
+        if block_table is not None or token_to_req is not None:
+            raise ValueError("give either slot_mapping or block_table + token_to_req, not both")
+        check_tensor("slot_mapping", slot_mapping, dtype=_SLOT_DTYPES, ndim=1)
     device = same_device(kv=kv, score=score, ape=ape, positions=positions, slot_mapping=slot_mapping,
-                         state_cache=state_cache)
+                         state_cache=state_cache, block_table=block_table, token_to_req=token_to_req)
     if ape.shape[0] < 1:
         raise ValueError(f"ape must have at least one row (the compress ratio), got {tuple(ape.shape)}")
     if state_cache.shape[2] != 2 * width or state_cache.stride(2) != 1:
@@ -246,16 +266,37 @@ def write_compressor_state(
     if state_cache.shape[0] < 1 or state_cache.shape[1] < 1:
         raise ValueError(f"state_cache must hold at least one block of one row, got shape {tuple(state_cache.shape)}")
     positions = positions.contiguous()
-    slot_mapping = _check_slots(slot_mapping, num_tokens, state_cache.shape[0] * state_cache.shape[1], validate_slots)
+    nb, bs = state_cache.shape[0], state_cache.shape[1]
+    if from_table:
+        assert block_table is not None and token_to_req is not None
+        token_to_req = token_to_req.contiguous()
+        if validate_slots and num_tokens and block_table.numel():
+            lo, hi = (int(v) for v in torch.aminmax(block_table))
+            if lo < -1 or hi >= nb:
+                raise ValueError(f"block_table ids must be in [-1, {nb}), got [{lo}, {hi}]")
+    else:
+        assert slot_mapping is not None
+        slot_mapping = _check_slots(slot_mapping, num_tokens, nb * bs, validate_slots)
     path = resolve_impl(impl, device)
     if num_tokens == 0:
         return
     if path == "reference":
+        if from_table:
+            assert block_table is not None and token_to_req is not None
+            R = block_table.shape[0]
+            ok = (token_to_req >= 0) & (token_to_req < R)
+            req = torch.where(ok, token_to_req, torch.zeros_like(token_to_req)).long()
+            slot_mapping = entry_slots(block_table, req, positions, bs, valid=ok)
+        assert slot_mapping is not None
         write_compressor_state_ref(kv, score, ape, positions, slot_mapping, state_cache)
         return
+    bt = block_table if block_table is not None else positions
     _write_compressor_state_kernel[(num_tokens,)](
-        kv, score, ape, positions, slot_mapping, state_cache,
+        kv, score, ape, positions, slot_mapping if slot_mapping is not None else positions, state_cache, bt,
+        token_to_req if token_to_req is not None else positions,
         kv.stride(0), score.stride(0), ape.stride(0), state_cache.stride(0), state_cache.stride(1),
-        state_cache.shape[1], state_cache.shape[0] * state_cache.shape[1], ape.shape[0], width,
-        BLOCK_W=min(_p2(width), 1024),
+        bs, nb * bs, ape.shape[0], width,
+        bt.stride(0) if block_table is not None else 0, block_table.shape[0] if block_table is not None else 0,
+        block_table.shape[1] if block_table is not None else 0,
+        BLOCK_W=min(_p2(width), 1024), SLOTS_FROM_TABLE=from_table,
     )

@@ -111,5 +111,5 @@ def write_compressor_state_ref(
     if rows.numel() == 0:
         return
     r = ape.shape[0]
-    bias = ape[torch.remainder(positions[rows].long(), r)]
-    state_cache[blk, off] = torch.cat([kv[rows], score[rows] + bias], dim=-1).to(state_cache.dtype)
+    bias = ape[torch.remainder(positions[rows].long(), r)].float()
+    state_cache[blk, off] = torch.cat([kv[rows].float(), score[rows].float() + bias], dim=-1).to(state_cache.dtype)
