@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv4attn.layers.attention import DeepseekV4Attention
-from dsv4attn.layers.rope import apply_rope
+from dsv4attn.ops.norm_rope import norm_rope
 from dsv4attn.serving.runner import AttentionRunner
 
 
@@ -129,10 +129,13 @@ class TPAttention(DeepseekV4Attention):
             self.o_b_proj = nn.Linear(len(segs) * L, cfg.hidden_size, bias=False, device=wb.device, dtype=wb.dtype)
             self.o_b_proj.weight.copy_(torch.cat([wb[:, g * L:(g + 1) * L] for g, _, _ in segs], dim=1))
 
-    def project_out(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """attn ``[T, heads, D]`` (this rank's heads) -> ``[T, hidden]``: inverse RoPE, the rank's
-        grouped ``o_a``/``o_b`` part, then the all-reduce over ``tp_group`` (if any)."""
-        attn = apply_rope(attn, cos, sin, inverse=True)
+    def project_out(
+        self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+    ) -> torch.Tensor:
+        """attn ``[T, heads, D]`` (this rank's heads) -> ``[T, hidden]``: inverse RoPE (in place, as
+        the base class), the rank's grouped ``o_a``/``o_b`` part, then the all-reduce over
+        ``tp_group`` (if any)."""
+        attn = norm_rope(attn, cos, sin, inverse=True, out=attn, impl=impl)
         out = self.o_b_proj(self.o_a_proj(attn.reshape(attn.shape[0], -1))).contiguous()
         if self.tp_group is not None and self.tp_world_size > 1:
             dist.all_reduce(out, group=self.tp_group)

@@ -24,8 +24,9 @@ from torch import nn
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.compressor import Compressor
 from dsv4attn.layers.indexer import Indexer, select_topk, topk_boundary_ties
-from dsv4attn.layers.norm import RMSNorm, rms_norm_unweighted
-from dsv4attn.layers.rope import RotaryTable, apply_rope
+from dsv4attn.layers.norm import RMSNorm
+from dsv4attn.layers.rope import RotaryTable
+from dsv4attn.ops.norm_rope import norm_rope
 
 
 class GroupedLinear(nn.Linear):
@@ -95,17 +96,21 @@ class DeepseekV4Attention(nn.Module):
 
     # ---- pieces shared by the dense path and the paged runner ------------------------------
     def project_q(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden ``[T, hidden]`` -> (q ``[T, H, D]``, qr ``[T, q_lora_rank]``), in the hidden dtype."""
-        qr = self.q_a_norm(self.q_a_proj(hidden))
-        q = self.q_b_proj(qr).view(hidden.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope(rms_norm_unweighted(q, self.config.rms_norm_eps), cos, sin)
-        return q, qr
+        """hidden ``[T, hidden]`` -> (q ``[T, H, D]``, qr ``[T, q_lora_rank]``), in the hidden dtype.
 
-    def project_kv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ``impl`` picks the fused norm + RoPE kernel (``ops.norm_rope``) or its reference."""
+        eps = self.config.rms_norm_eps
+        qr = norm_rope(self.q_a_proj(hidden), eps=eps, weight=self.q_a_norm.weight, impl=impl)
+        q = self.q_b_proj(qr).view(hidden.shape[0], self.num_heads, self.head_dim)
+        return norm_rope(q, cos, sin, eps=eps, impl=impl), qr
+
+    def project_kv(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+    ) -> torch.Tensor:
         """hidden ``[T, hidden]`` -> the shared K = V row ``[T, D]`` (normed, rotated at p)."""
-        return apply_rope(self.kv_norm(self.kv_proj(hidden)), cos, sin)
+        return norm_rope(self.kv_proj(hidden), cos, sin, eps=self.kv_norm.eps, weight=self.kv_norm.weight, impl=impl)
 
     def attend_dense(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, keys ``[T, C, D]`` (candidates per token), valid bool ``[T, C]`` -> ``[T, H, D]``.
@@ -119,9 +124,12 @@ class DeepseekV4Attention(nn.Module):
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         return torch.einsum("thc,tcd->thd", probs, keys.float()).to(q.dtype)
 
-    def project_out(self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """attn ``[T, H, D]`` -> ``[T, hidden]``: inverse RoPE at p, grouped ``o_a_proj``, ``o_b_proj``."""
-        attn = apply_rope(attn, cos, sin, inverse=True)
+    def project_out(
+        self, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+    ) -> torch.Tensor:
+        """attn ``[T, H, D]`` -> ``[T, hidden]``: inverse RoPE at p (in place on ``attn``, which
+        the caller hands over), grouped ``o_a_proj``, ``o_b_proj``."""
+        attn = norm_rope(attn, cos, sin, inverse=True, out=attn, impl=impl)
         grouped = attn.reshape(attn.shape[0], self.config.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
 

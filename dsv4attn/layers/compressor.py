@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from dsv4attn.layers.norm import RMSNorm
-from dsv4attn.layers.rope import apply_rope
 from dsv4attn.ops.compressor import compressor_pool
+from dsv4attn.ops.norm_rope import norm_rope
 from dsv4attn.reference.compressor import pool_window_rows, window_positions
 
 
@@ -91,13 +91,14 @@ class Compressor(nn.Module):
                                self.overlap, validate_indices=False, impl=impl)
 
     def finish(
-        self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+        self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, impl: str = "reference"
     ) -> torch.Tensor:
-        """pooled fp32 ``[N, D]`` -> ``RoPE(kv_norm(pooled))`` in ``dtype`` ``[N, D]``.
+        """pooled fp32 ``[N, D]`` -> ``RoPE(kv_norm(pooled.to(dtype)))`` in ``dtype`` ``[N, D]``.
 
-        cos/sin fp32 ``[N, rope_dim // 2]`` at the entries' first raw positions ``k*r``.
+        cos/sin fp32 ``[N, rope_dim // 2]`` at the entries' first raw positions ``k*r``; ``impl``
+        picks the fused norm + RoPE kernel or its reference.
         """
-        return apply_rope(self.kv_norm(pooled.to(dtype)), cos, sin)
+        return norm_rope(pooled, cos, sin, eps=self.kv_norm.eps, weight=self.kv_norm.weight, dtype=dtype, impl=impl)
 
     def compress_dense(
         self, rows: torch.Tensor, rotary: nn.Module, dtype: torch.dtype

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from dsv4attn.layers.compressor import Compressor
-from dsv4attn.layers.rope import apply_rope
 from dsv4attn.ops.indexer import indexer_topk
+from dsv4attn.ops.norm_rope import norm_rope
 from dsv4attn.reference.indexer import select_topk, topk_boundary_ties
 
 __all__ = ["Indexer", "IndexerScorer", "select_topk", "topk_boundary_ties"]
@@ -45,20 +45,22 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(hidden_size, num_heads)
 
     def queries(
-        self, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qr ``[T, q_lora_rank]``, hidden ``[T, hidden]`` -> (q fp32 ``[T, H_I, D_I]``, weights fp32 ``[T, H_I]``).
+        """qr ``[T, q_lora_rank]``, hidden ``[T, hidden]`` -> (q ``[T, H_I, D_I]`` in the model dtype,
+        weights fp32 ``[T, H_I]``).
 
         The weights already include ``H_I^-0.5``; ``D_I^-0.5`` is applied in :meth:`scores`.
+        ``impl`` picks the fused RoPE kernel (``ops.norm_rope``) or its reference.
         """
         T = qr.shape[0]
-        q = apply_rope(self.q_b_proj(qr).view(T, self.num_heads, self.dim), cos, sin).float()
+        q = norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.dim), cos, sin, impl=impl)
         w = self.scorer.weights_proj(hidden).float() * self.num_heads ** -0.5
         return q, w
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D_I]``, weights ``[T, H]``, keys ``[T, N, D_I]`` (per token) -> fp32 ``[T, N]``."""
-        logits = torch.einsum("thd,tnd->thn", q, keys.float())
+        logits = torch.einsum("thd,tnd->thn", q.float(), keys.float())
         logits = torch.relu(logits) * self.dim ** -0.5
         return (logits * weights[:, :, None]).sum(dim=1)
 
@@ -76,7 +78,7 @@ class Indexer(Compressor):
         """
         w = (weights * self.dim ** -0.5).contiguous()
         model_dtype = self.q_b_proj.weight.dtype
-        q = q.to(model_dtype) if model_dtype in (torch.bfloat16, torch.float32) else q
+        q = q.to(model_dtype) if model_dtype in (torch.bfloat16, torch.float32) else q.float()
         idx, _ = indexer_topk(q.contiguous(), w, k_cache, block_table, token_to_req.to(torch.int32),
                               num_eligible.to(torch.int32), self.topk, validate_indices=False, impl=impl)
         return idx

@@ -1,9 +1,16 @@
-"""RMSNorm variants of DeepSeek-V4 attention (fp32 statistics, fp32 weight multiply)."""
+"""RMSNorm variants of DeepSeek-V4 attention (fp32 statistics, fp32 weight multiply).
+
+The math lives in :mod:`dsv4attn.reference.norm_rope` (shared with the fused norm + RoPE op).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dsv4attn.reference.norm_rope import rms_norm, rms_norm_unweighted
+
+__all__ = ["RMSNorm", "rms_norm_unweighted"]
 
 
 class RMSNorm(nn.Module):
@@ -18,11 +25,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
-
-
-def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm over the last dim (per-head q norm): fp32 statistics, ``x.dtype`` out."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -108,30 +108,35 @@ def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.T
     return torch.where(ok, slot, torch.zeros_like(slot)), ok
 
 
+def entry_rope(rotary: torch.nn.Module, positions: torch.Tensor, ratio: int, impl: str = "reference"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin at the first raw position ``k*r`` of the entry each token's position falls in (the
+    rotation of the entries a step completes; one table for both compressors of a CSA layer)."""
+    return rotary(positions, ratio=ratio, impl=impl)
+
+
 def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
-    rotary: torch.nn.Module, impl: str,
+    rotary: torch.nn.Module, impl: str, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
     Returns (entries ``[T, D]`` in hidden's dtype, their compressed slots int64 ``[T]``): one row
     per token; rows of tokens that complete no block have slot -1 (the caller's insert skips
-    them), so no host sync picks the boundary tokens.
+    them), so no host sync picks the boundary tokens. ``rope``: :func:`entry_rope` of these
+    positions when the caller already has it. The state rows go to entry ``p`` of the token's
+    request in ``state_table`` (slots computed in the writer; holes and freed blocks skip).
     """
-    bs = state_cache.shape[1]
-    slots, ok = state_slots(positions, token_to_req, state_table, bs)
-    write_compressor_state(comp.kv_proj(hidden).float(), comp.gate_proj(hidden).float(),
-                           comp.position_bias.float().contiguous(), positions,
-                           torch.where(ok, slots, torch.full_like(slots, -1)), state_cache,
-                           validate_slots=False, impl=impl)
+    t2r = token_to_req.to(torch.int32)
+    write_compressor_state(comp.kv_proj(hidden), comp.gate_proj(hidden), comp.position_bias, positions, None,
+                           state_cache, block_table=state_table, token_to_req=t2r, validate_slots=False, impl=impl)
     pos = positions.long()
     entry_slots = entry_slots[: pos.shape[0]]
-    pooled = comp.pool_paged(state_cache, state_table, token_to_req,
+    pooled = comp.pool_paged(state_cache, state_table, t2r,
                              torch.where(entry_slots >= 0, pos, torch.full_like(pos, -1)), impl=impl)
-    first = torch.div(pos.clamp(min=0), comp.ratio, rounding_mode="floor") * comp.ratio
-    cos, sin = rotary(first)
-    return comp.finish(pooled, cos, sin, hidden.dtype), entry_slots
+    cos, sin = rope if rope is not None else entry_rope(rotary, positions, comp.ratio, impl)
+    return comp.finish(pooled, cos, sin, hidden.dtype, impl=impl), entry_slots
 
 
 def indexer_topk(
@@ -145,7 +150,7 @@ def indexer_topk(
     # callers pass CSA layers only, whose caches the engine allocates with an indexer-K cache
     assert idx is not None and caches.indexer_k is not None
     eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
-    q, w = idx.queries(qr, hidden, cos, sin)
+    q, w = idx.queries(qr, hidden, cos, sin, impl=impl)
     return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
 
 
@@ -156,12 +161,12 @@ def layer_step(
     """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
-    cos, sin = layer.rotary(pos)
-    q, qr = layer.project_q(hidden, cos, sin)
-    kv = layer.project_kv(hidden, cos, sin)
+    cos, sin = layer.rotary(pos, impl=impl)
+    q, qr = layer.project_q(hidden, cos, sin, impl=impl)
+    kv = layer.project_kv(hidden, cos, sin, impl=impl)
     kcd = caches.kv_cache_dtype
     # Every slot of a step comes from block tables the metadata builder already checked against
-    # num_blocks (or from state_slots, which yields -1 outside the table): the writers' own
+    # num_blocks (state rows: the writer's slot formula yields -1 outside the table): the writers' own
     # per-call range check (a host sync each) would repeat that work on the hot path.
     insert_kv(kv, batch.slot_mapping, caches.swa, kcd, layout=caches.layout, validate_slots=False, impl=impl)
     sw = step.swa
@@ -171,8 +176,9 @@ def layer_step(
         # the engine allocates compressed + state caches and a state table for every compressing layer
         assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
+        erope = entry_rope(layer.rotary, pos, layer.ratio, impl)
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl)
+                                        cm.slot_mapping, layer.rotary, impl, rope=erope)
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
@@ -180,7 +186,7 @@ def layer_step(
             idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
             assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
             ientries, islots = run_compressor(idx, hidden, pos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl)
+                                              cm.slot_mapping, layer.rotary, impl, rope=erope)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
             local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl)
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
@@ -194,4 +200,4 @@ def layer_step(
     attn_impl = impl if q.dtype == torch.bfloat16 else "reference"
     attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(),
                                    deterministic=deterministic, impl=attn_impl)
-    return layer.project_out(attn, cos, sin)
+    return layer.project_out(attn, cos, sin, impl=impl)
