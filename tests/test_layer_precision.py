@@ -106,3 +106,32 @@ def test_fp32_compute_over_fp8_pages(layer_idx, kind, device):
     gold = hf_oracle.hf_forward(ref, seqs["a"])
     e_ref = (hf_oracle.hf_forward(copy.deepcopy(ref).to(torch.bfloat16), seqs["a"].bfloat16()).float() - gold).abs()
     assert (got - gold).abs().mean() <= 8 * e_ref.mean()
+
+
+@pytest.mark.parametrize("layer_idx,kind", KINDS)
+def test_fused_input_projections(layer_idx, kind, device):
+    """``fuse_input_projections`` (the engine does it on GPU): the state dict is unchanged and
+    still loads, the layer step gives the unfused results (one GEMM's columns = the separate
+    GEMMs, up to their summation order: fp32 tolerance), and a module copy falls back to
+    separate projections."""
+    _, ours = _setup(layer_idx, seed=60)
+    ours = ours.to(device)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    g = torch.Generator().manual_seed(61)
+    seqs = {"a": torch.randn(40, 64, generator=g), "b": torch.randn(17, 64, generator=g)}
+    want = _run(copy.deepcopy(ours), seqs, "auto", device, "reference", torch.float32, seed=1)
+    fused = copy.deepcopy(ours)
+    fused.fuse_input_projections()
+    lins = fused.input_linears()
+    assert fused._fused_weight(lins) is not None and len(lins) == {"sliding": 2, "csa": 7, "hca": 4}[kind]
+    sd = fused.state_dict()
+    assert sd.keys() == before.keys() and all(torch.equal(sd[k], before[k]) for k in sd)
+    fused.load_state_dict(before)  # loads into the shared storage, sharing kept
+    assert fused._fused_weight(lins) is not None
+    x = torch.randn(5, 64, generator=g).to(device)
+    for got, lin in zip(fused.project_inputs(x), lins):
+        torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)
+    got = _run(fused, seqs, "auto", device, "reference", torch.float32, seed=1)
+    for k in seqs:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4 * want[k].abs().max().item())
+    assert copy.deepcopy(fused)._fused_weight(copy.deepcopy(fused).input_linears()) is None

@@ -94,23 +94,82 @@ class DeepseekV4Attention(nn.Module):
             raise ValueError(f"layer {self.layer_idx} is a {self.kind!r} layer: only CSA layers have an indexer")
         return idx
 
+    # ---- one GEMM for every projection of the input hidden state ----------------------------
+    def input_linears(self) -> list[nn.Linear]:
+        """The projections that read the layer's input hidden state, in the order of
+        :meth:`project_inputs`: ``q_a_proj``, ``kv_proj``, then the compressor's ``kv_proj``,
+        ``gate_proj`` and (CSA) the indexer's ``kv_proj``, ``gate_proj``, ``weights_proj``."""
+        lins: list[nn.Linear] = [self.q_a_proj, self.kv_proj]
+        comp = self.compressor
+        if comp is not None:
+            lins += [comp.kv_proj, comp.gate_proj]
+        idx = self.indexer
+        if idx is not None:
+            lins += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
+        return lins
+
+    @torch.no_grad()
+    def fuse_input_projections(self) -> None:
+        """Make the weights of :meth:`input_linears` row blocks of one ``[sum N, hidden]`` tensor,
+        so :meth:`project_inputs` runs one GEMM instead of 2-7 (the serving engine calls this on
+        GPU). Parameter objects, names, values and the state dict stay as they are; a later
+        ``.to()`` or a copy of the module undoes the sharing, and the projections then run
+        one by one again."""
+        lins = self.input_linears()
+        fused = torch.cat([lin.weight.detach() for lin in lins])
+        at = 0
+        for lin in lins:
+            n = lin.weight.shape[0]
+            lin.weight.data = fused[at:at + n]
+            at += n
+        self._fused_input = fused
+
+    def _fused_weight(self, lins: list[nn.Linear]) -> torch.Tensor | None:
+        """The fused weight when every projection still is its row block, else None."""
+        fused = self.__dict__.get("_fused_input")
+        if fused is None:
+            return None
+        at = fused.data_ptr()
+        row = fused.stride(0) * fused.element_size()
+        for lin in lins:
+            w = lin.weight
+            if w.data_ptr() != at or w.dtype != fused.dtype or w.device != fused.device:
+                return None
+            at += w.shape[0] * row
+        return fused
+
+    def project_inputs(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """hidden ``[T, hidden]`` -> the outputs of :meth:`input_linears` (column views of one
+        GEMM's output when :meth:`fuse_input_projections` ran, else one linear each)."""
+        lins = self.input_linears()
+        fused = self._fused_weight(lins)
+        if fused is None:
+            return [lin(hidden) for lin in lins]
+        return list(torch.nn.functional.linear(hidden, fused).split([lin.weight.shape[0] for lin in lins], dim=1))
+
     # ---- pieces shared by the dense path and the paged runner ------------------------------
     def project_q(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference",
+        qa: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden ``[T, hidden]`` -> (q ``[T, H, D]``, qr ``[T, q_lora_rank]``), in the hidden dtype.
 
-        ``impl`` picks the fused norm + RoPE kernel (``ops.norm_rope``) or its reference."""
+        ``impl`` picks the fused norm + RoPE kernel (``ops.norm_rope``) or its reference; ``qa``:
+        ``q_a_proj(hidden)`` when the caller has it (:meth:`project_inputs`)."""
         eps = self.config.rms_norm_eps
-        qr = norm_rope(self.q_a_proj(hidden), eps=eps, weight=self.q_a_norm.weight, impl=impl)
+        qa = self.q_a_proj(hidden) if qa is None else qa
+        qr = norm_rope(qa, eps=eps, weight=self.q_a_norm.weight, impl=impl)
         q = self.q_b_proj(qr).view(hidden.shape[0], self.num_heads, self.head_dim)
         return norm_rope(q, cos, sin, eps=eps, impl=impl), qr
 
     def project_kv(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference",
+        kv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden ``[T, hidden]`` -> the shared K = V row ``[T, D]`` (normed, rotated at p)."""
-        return norm_rope(self.kv_proj(hidden), cos, sin, eps=self.kv_norm.eps, weight=self.kv_norm.weight, impl=impl)
+        """hidden ``[T, hidden]`` -> the shared K = V row ``[T, D]`` (normed, rotated at p); ``kv``:
+        ``kv_proj(hidden)`` when the caller has it."""
+        kv = self.kv_proj(hidden) if kv is None else kv
+        return norm_rope(kv, cos, sin, eps=self.kv_norm.eps, weight=self.kv_norm.weight, impl=impl)
 
     def attend_dense(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, keys ``[T, C, D]`` (candidates per token), valid bool ``[T, C]`` -> ``[T, H, D]``.

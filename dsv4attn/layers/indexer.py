@@ -45,17 +45,19 @@ class Indexer(Compressor):
         self.scorer = IndexerScorer(hidden_size, num_heads)
 
     def queries(
-        self, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference"
+        self, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "reference",
+        w: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qr ``[T, q_lora_rank]``, hidden ``[T, hidden]`` -> (q ``[T, H_I, D_I]`` in the model dtype,
         weights fp32 ``[T, H_I]``).
 
         The weights already include ``H_I^-0.5``; ``D_I^-0.5`` is applied in :meth:`scores`.
-        ``impl`` picks the fused RoPE kernel (``ops.norm_rope``) or its reference.
+        ``impl`` picks the fused RoPE kernel (``ops.norm_rope``) or its reference; ``w``:
+        ``weights_proj(hidden)`` when the caller has it.
         """
         T = qr.shape[0]
         q = norm_rope(self.q_b_proj(qr).view(T, self.num_heads, self.dim), cos, sin, impl=impl)
-        w = self.scorer.weights_proj(hidden).float() * self.num_heads ** -0.5
+        w = (self.scorer.weights_proj(hidden) if w is None else w).float() * self.num_heads ** -0.5
         return q, w
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

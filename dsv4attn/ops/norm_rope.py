@@ -131,7 +131,7 @@ def rope_cos_sin(
     N, half = positions.shape[0], inv_freq.shape[0]
     out = torch.empty((2, N, half), dtype=torch.float32, device=device)
     if N and half:
-        block_n = 16
+        block_n = 2  # a latency-bound kernel: many small programs
         _rope_cos_sin_kernel[(triton.cdiv(N, block_n),)](
             positions.contiguous(), inv_freq.to(device).contiguous(), out[0], out[1], N, half, float(factor), ratio,
             FIRST=ratio > 1, BLOCK_N=block_n, HALF_P2=triton.next_power_of_2(half), num_warps=1,

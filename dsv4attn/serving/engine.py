@@ -168,6 +168,9 @@ class PagedAttentionEngine:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"layer dtype must be float32 or bfloat16, got {dtype}")
         self.impl = resolve_impl(impl, dev) if dev.type != "meta" else "reference"  # refuses a bad path now
+        if dev.type == "cuda":
+            for layer in layers:  # one GEMM for all projections of a layer's input (values unchanged)
+                layer.fuse_input_projections()
         self.layers, self.device, self.dtype = layers, dev, dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len, self.max_num_reqs = max_model_len, max_num_reqs

@@ -119,17 +119,21 @@ def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
     rotary: torch.nn.Module, impl: str, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    proj: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
     Returns (entries ``[T, D]`` in hidden's dtype, their compressed slots int64 ``[T]``): one row
     per token; rows of tokens that complete no block have slot -1 (the caller's insert skips
     them), so no host sync picks the boundary tokens. ``rope``: :func:`entry_rope` of these
-    positions when the caller already has it. The state rows go to entry ``p`` of the token's
-    request in ``state_table`` (slots computed in the writer; holes and freed blocks skip).
+    positions when the caller already has it; ``proj``: ``(kv_proj(hidden), gate_proj(hidden))``
+    when the caller has them (``DeepseekV4Attention.project_inputs``). The state rows go to
+    entry ``p`` of the token's request in ``state_table`` (slots computed in the writer; holes
+    and freed blocks skip).
     """
     t2r = token_to_req.to(torch.int32)
-    write_compressor_state(comp.kv_proj(hidden), comp.gate_proj(hidden), comp.position_bias, positions, None,
+    kv, gate = proj if proj is not None else (comp.kv_proj(hidden), comp.gate_proj(hidden))
+    write_compressor_state(kv, gate, comp.position_bias, positions, None,
                            state_cache, block_table=state_table, token_to_req=t2r, validate_slots=False, impl=impl)
     pos = positions.long()
     entry_slots = entry_slots[: pos.shape[0]]
@@ -142,7 +146,7 @@ def run_compressor(
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
-    impl: str = "auto",
+    impl: str = "auto", w: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Request-local top-k int32 ``[T, topk]`` (-1 padded) of every token over the entries
     ``0 .. (p+1)//r - 1`` of its request's indexer-K cache."""
@@ -150,7 +154,7 @@ def indexer_topk(
     # callers pass CSA layers only, whose caches the engine allocates with an indexer-K cache
     assert idx is not None and caches.indexer_k is not None
     eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
-    q, w = idx.queries(qr, hidden, cos, sin, impl=impl)
+    q, w = idx.queries(qr, hidden, cos, sin, impl=impl, w=w)
     return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
 
 
@@ -162,8 +166,9 @@ def layer_step(
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
     cos, sin = layer.rotary(pos, impl=impl)
-    q, qr = layer.project_q(hidden, cos, sin, impl=impl)
-    kv = layer.project_kv(hidden, cos, sin, impl=impl)
+    proj = layer.project_inputs(hidden)  # one GEMM once the engine fused the input projections
+    q, qr = layer.project_q(hidden, cos, sin, impl=impl, qa=proj[0])
+    kv = layer.project_kv(hidden, cos, sin, impl=impl, kv=proj[1])
     kcd = caches.kv_cache_dtype
     # Every slot of a step comes from block tables the metadata builder already checked against
     # num_blocks (state rows: the writer's slot formula yields -1 outside the table): the writers' own
@@ -178,7 +183,7 @@ def layer_step(
         cm = step.compressed[layer.ratio]
         erope = entry_rope(layer.rotary, pos, layer.ratio, impl)
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl, rope=erope)
+                                        cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[2], proj[3]))
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
@@ -186,9 +191,9 @@ def layer_step(
             idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
             assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
             ientries, islots = run_compressor(idx, hidden, pos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl, rope=erope)
+                                              cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[4], proj[5]))
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
-            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl)
+            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl, w=proj[6])
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
             sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
         else:
