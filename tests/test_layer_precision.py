@@ -123,7 +123,10 @@ def test_fused_input_projections(layer_idx, kind, device):
     fused = copy.deepcopy(ours)
     fused.fuse_input_projections()
     lins = fused.input_linears()
-    assert fused._fused_weight(lins) is not None and len(lins) == {"sliding": 2, "csa": 7, "hca": 4}[kind]
+    w = fused._fused_weight(lins)
+    assert w is not None and len(lins) == {"sliding": 2, "csa": 7, "hca": 4}[kind]
+    fused.fuse_input_projections()  # idempotent: the same tensor (graphs of other engines read it)
+    assert fused._fused_weight(lins) is w
     sd = fused.state_dict()
     assert sd.keys() == before.keys() and all(torch.equal(sd[k], before[k]) for k in sd)
     fused.load_state_dict(before)  # loads into the shared storage, sharing kept

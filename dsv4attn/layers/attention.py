@@ -114,8 +114,11 @@ class DeepseekV4Attention(nn.Module):
         so :meth:`project_inputs` runs one GEMM instead of 2-7 (the serving engine calls this on
         GPU). Parameter objects, names, values and the state dict stay as they are; a later
         ``.to()`` or a copy of the module undoes the sharing, and the projections then run
-        one by one again."""
+        one by one again. Idempotent: a layer whose weights are still fused is left as it is
+        (CUDA graphs captured by another engine over the same layers keep reading that tensor)."""
         lins = self.input_linears()
+        if self._fused_weight(lins) is not None:
+            return
         fused = torch.cat([lin.weight.detach() for lin in lins])
         at = 0
         for lin in lins:
