@@ -115,11 +115,19 @@ def entry_rope(rotary: torch.nn.Module, positions: torch.Tensor, ratio: int, imp
     return rotary(positions, ratio=ratio, impl=impl)
 
 
+def completing_positions(positions: torch.Tensor, entry_slots: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the tokens that complete an entry this step (compressed slot >= 0),
+    -1 for the others: what the pooling reads (shared by both compressors of a CSA layer)."""
+    pos = positions.long()
+    slots = entry_slots[: pos.shape[0]]
+    return torch.where(slots >= 0, pos, torch.full_like(pos, -1))
+
+
 def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
     rotary: torch.nn.Module, impl: str, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    proj: tuple[torch.Tensor, torch.Tensor] | None = None,
+    proj: tuple[torch.Tensor, torch.Tensor] | None = None, pool_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
@@ -127,7 +135,8 @@ def run_compressor(
     per token; rows of tokens that complete no block have slot -1 (the caller's insert skips
     them), so no host sync picks the boundary tokens. ``rope``: :func:`entry_rope` of these
     positions when the caller already has it; ``proj``: ``(kv_proj(hidden), gate_proj(hidden))``
-    when the caller has them (``DeepseekV4Attention.project_inputs``). The state rows go to
+    when the caller has them (``DeepseekV4Attention.project_inputs``); ``pool_positions``: the
+    positions with -1 where ``entry_slots < 0`` (:func:`pool_positions`). The state rows go to
     entry ``p`` of the token's request in ``state_table`` (slots computed in the writer; holes
     and freed blocks skip).
     """
@@ -137,8 +146,9 @@ def run_compressor(
                            state_cache, block_table=state_table, token_to_req=t2r, validate_slots=False, impl=impl)
     pos = positions.long()
     entry_slots = entry_slots[: pos.shape[0]]
-    pooled = comp.pool_paged(state_cache, state_table, t2r,
-                             torch.where(entry_slots >= 0, pos, torch.full_like(pos, -1)), impl=impl)
+    if pool_positions is None:
+        pool_positions = completing_positions(pos, entry_slots)
+    pooled = comp.pool_paged(state_cache, state_table, t2r, pool_positions, impl=impl)
     cos, sin = rope if rope is not None else entry_rope(rotary, positions, comp.ratio, impl)
     return comp.finish(pooled, cos, sin, hidden.dtype, impl=impl), entry_slots
 
@@ -146,14 +156,16 @@ def run_compressor(
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
-    impl: str = "auto", w: torch.Tensor | None = None,
+    impl: str = "auto", w: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Request-local top-k int32 ``[T, topk]`` (-1 padded) of every token over the entries
-    ``0 .. (p+1)//r - 1`` of its request's indexer-K cache."""
+    ``0 .. (p+1)//r - 1`` of its request's indexer-K cache. ``eligible``: those counts when the
+    caller has them (the step's C4A ``lengths``), ``w``: ``weights_proj(hidden)``."""
     idx = layer.indexer
     # callers pass CSA layers only, whose caches the engine allocates with an indexer-K cache
     assert idx is not None and caches.indexer_k is not None
-    eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
+    if eligible is None:
+        eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
     q, w = idx.queries(qr, hidden, cos, sin, impl=impl, w=w)
     return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
 
@@ -182,8 +194,10 @@ def layer_step(
         assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
         erope = entry_rope(layer.rotary, pos, layer.ratio, impl)
+        ppos = completing_positions(pos, cm.slot_mapping)
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[2], proj[3]))
+                                        cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[2], proj[3]),
+                                        pool_positions=ppos)
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
@@ -191,9 +205,12 @@ def layer_step(
             idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
             assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
             ientries, islots = run_compressor(idx, hidden, pos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[4], proj[5]))
+                                              cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[4], proj[5]),
+                                              pool_positions=ppos)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
-            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl, w=proj[6])
+            # the step's C4A lengths are (p + 1) // 4 per token (0 for padding): the eligible counts
+            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl, w=proj[6],
+                                 eligible=cm.lengths)
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
             sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
         else:
