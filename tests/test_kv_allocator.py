@@ -40,6 +40,9 @@ def check_invariants(m: KVCacheManager) -> None:
                 assert m.num_held(r, g.name) <= sliding_blocks_bound(g, n - c)
             assert m.num_held(r, g.name) == blocks_held(g, c, n - c)
             owned += [b for b in table if b != NULL_BLOCK]
+        # the cached coverage answers as the tables do (one past the allocation included)
+        for t in (n, n + 1, n + 5):
+            assert m.covers(r, t) == all(len(m.block_ids(r, g.name)) >= -(-t // g.tokens_per_block) for g in m.groups)
     free = m.pool._free
     assert len(owned) == len(set(owned)), "a block is owned twice"
     assert not set(owned) & set(free), "an owned block is also free"

@@ -130,6 +130,10 @@ class KVCacheManager:
         self._reclaimed: dict[Hashable, dict[str, int]] = {}  # columns below are already NULL_BLOCK
         self.rollback_tokens = _count("rollback_tokens", rollback_tokens)
         self._floor: dict[Hashable, int] = {}  # lowest length a rollback may reach (sliding reclaim follows it)
+        # Per-request answers to the two questions every decode step asks of every request,
+        # kept in step with the tables (add_request / grow / truncate / _reclaim / free):
+        self._cover: dict[Hashable, int] = {}  # tokens every group's table has a column for
+        self._reclaim_at: dict[Hashable, int] = {}  # lowest floor at which a sliding column falls out
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -169,7 +173,7 @@ class KVCacheManager:
     def blocks_needed_by_group(self, req_id: Hashable | None, num_tokens: int) -> dict[str, int]:
         """Blocks per group a grow to ``num_tokens`` would take (``None``: a new request)."""
         have = self._tables.get(req_id) if req_id is not None else None
-        if have is not None and self._covered(have, num_tokens):
+        if have is not None and num_tokens <= self._cover[req_id]:
             return dict.fromkeys(have, 0)  # no new column in any group (most decode steps)
         out = {}
         for g in self.groups:
@@ -210,6 +214,8 @@ class KVCacheManager:
         self._num_tokens[req_id] = 0
         self._num_computed[req_id] = 0
         self._floor[req_id] = 0
+        self._cover[req_id] = 0
+        self._reclaim_at[req_id] = self._next_reclaim(req_id)
         self.grow(req_id, num_tokens)
 
     def grow(self, req_id: Hashable, num_tokens: int) -> None:
@@ -221,7 +227,7 @@ class KVCacheManager:
         if num_tokens < self._num_tokens[req_id]:
             raise ValueError(f"num_tokens {num_tokens} < current {self._num_tokens[req_id]} for {req_id!r}")
         tables = self._tables[req_id]
-        if self._covered(tables, num_tokens):
+        if num_tokens <= self._cover[req_id]:
             self._num_tokens[req_id] = num_tokens  # no new column in any group (most decode steps)
             return
         need = self.blocks_needed_by_group(req_id, num_tokens)
@@ -235,6 +241,7 @@ class KVCacheManager:
                 table.append(next(ids) if len(table) >= lo else NULL_BLOCK)
             assert next(ids, None) is None
         self._num_tokens[req_id] = num_tokens
+        self._cover[req_id] = self._covered_tokens(tables)
 
     def truncate(self, req_id: Hashable, num_tokens: int) -> int:
         """Undo a grow: keep columns for raw positions ``0 .. num_tokens-1`` only and return the
@@ -258,6 +265,8 @@ class KVCacheManager:
             del table[keep:]
             freed += len(ids)
         self._num_tokens[req_id] = num_tokens
+        self._cover[req_id] = self._covered_tokens(tables)
+        self._reclaim_at[req_id] = self._next_reclaim(req_id)
         return freed
 
     def advance(self, req_id: Hashable, num_computed: int) -> int:
@@ -304,8 +313,10 @@ class KVCacheManager:
 
     def _reclaim(self, req_id: Hashable) -> int:
         """Give back the sliding columns no token at or after the rollback floor can read."""
-        freed = 0
         floor, done = self._floor[req_id], self._reclaimed[req_id]
+        if floor < self._reclaim_at[req_id]:
+            return 0  # no sliding column newly out of reach (most steps)
+        freed = 0
         for g in self.groups:
             if g.kind == "full":
                 continue  # full groups keep every column
@@ -322,20 +333,34 @@ class KVCacheManager:
             if ids:
                 self.pools[g.name].give_back(ids)
             freed += len(ids)
+        self._reclaim_at[req_id] = self._next_reclaim(req_id)
         return freed
+
+    def _next_reclaim(self, req_id: Hashable) -> int:
+        """Lowest rollback floor at which some sliding group's first live column passes the
+        columns already reclaimed (``_first_live_col(g, f) > done`` first holds at
+        ``f = (done + 1) * tokens_per_block + window - 1``); a huge number without sliding
+        groups. Columns past the table's end are never reclaimed, which this bound ignores:
+        reaching it only runs the full check."""
+        done = self._reclaimed[req_id]
+        return min((((done[g.name] + 1) * g.tokens_per_block + (g.window or 0) - 1)
+                    for g in self.groups if g.kind != "full"), default=1 << 62)
 
     def covers(self, req_id: Hashable, num_tokens: int) -> bool:
         """Whether a known request's tables already have a column for every position below
         ``num_tokens`` in every group (a grow to it then takes no block)."""
-        return self._covered(self._tables[self._check(req_id)], _count("num_tokens", num_tokens))
+        self._check(req_id)
+        return _count("num_tokens", num_tokens) <= self._cover[req_id]
 
-    def _covered(self, tables: Mapping[str, list[int]], num_tokens: int) -> bool:
-        return all(len(tables[g.name]) >= cdiv(num_tokens, g.tokens_per_block) for g in self.groups)
+    def _covered_tokens(self, tables: Mapping[str, list[int]]) -> int:
+        """Tokens every group's table has a column for: ``min len(table) * tokens_per_block``."""
+        return min((len(tables[g.name]) * g.tokens_per_block for g in self.groups), default=1 << 62)
 
     def free(self, req_id: Hashable) -> int:
         """Forget ``req_id`` and return all its blocks to the pools; returns how many."""
         tables = self._tables.pop(self._check(req_id))
         del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id], self._floor[req_id]
+        del self._cover[req_id], self._reclaim_at[req_id]
         n = 0
         for name, t in tables.items():
             ids = [b for b in t if b != NULL_BLOCK]
