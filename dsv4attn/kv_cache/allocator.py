@@ -134,6 +134,16 @@ class KVCacheManager:
         # kept in step with the tables (add_request / grow / truncate / _reclaim / free):
         self._cover: dict[Hashable, int] = {}  # tokens every group's table has a column for
         self._reclaim_at: dict[Hashable, int] = {}  # lowest floor at which a sliding column falls out
+        # Export images of the full groups (whose rows are all live): one int32 host tensor per
+        # group with a row per live request (its table, NULL_BLOCK past its end), written where
+        # a table grows or shrinks, so block_table() gathers rows instead of rebuilding them
+        # from the lists every step. Sliding groups keep a few live columns of a wide row and
+        # are written from their live columns instead (cheaper than gathering the wide rows).
+        self._img: dict[str, torch.Tensor] = {g.name: torch.full((0, 0), NULL_BLOCK, dtype=torch.int32)
+                                              for g in self.groups if g.kind == "full"}
+        self._row: dict[Hashable, int] = {}
+        self._free_rows: list[int] = []
+        self._rows_used = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -216,6 +226,7 @@ class KVCacheManager:
         self._floor[req_id] = 0
         self._cover[req_id] = 0
         self._reclaim_at[req_id] = self._next_reclaim(req_id)
+        self._row[req_id] = self._take_row()
         self.grow(req_id, num_tokens)
 
     def grow(self, req_id: Hashable, num_tokens: int) -> None:
@@ -237,9 +248,12 @@ class KVCacheManager:
             table = tables[g.name]
             want = cdiv(num_tokens, g.tokens_per_block)
             lo = self._first_live_col(g, self._floor[req_id])
+            old = len(table)
             while len(table) < want:
                 table.append(next(ids) if len(table) >= lo else NULL_BLOCK)
             assert next(ids, None) is None
+            if g.name in self._img and len(table) > old:
+                self._img_write(g.name, self._row[req_id], old, table[old:])
         self._num_tokens[req_id] = num_tokens
         self._cover[req_id] = self._covered_tokens(tables)
 
@@ -262,6 +276,8 @@ class KVCacheManager:
             keep = cdiv(num_tokens, g.tokens_per_block)
             ids = [b for b in table[keep:] if b != NULL_BLOCK]
             self.pools[g.name].give_back(ids)
+            if g.name in self._img and len(table) > keep:
+                self._img_write(g.name, self._row[req_id], keep, [NULL_BLOCK] * (len(table) - keep))
             del table[keep:]
             freed += len(ids)
         self._num_tokens[req_id] = num_tokens
@@ -361,12 +377,39 @@ class KVCacheManager:
         tables = self._tables.pop(self._check(req_id))
         del self._num_tokens[req_id], self._num_computed[req_id], self._reclaimed[req_id], self._floor[req_id]
         del self._cover[req_id], self._reclaim_at[req_id]
+        row = self._row.pop(req_id)
         n = 0
         for name, t in tables.items():
             ids = [b for b in t if b != NULL_BLOCK]
             self.pools[name].give_back(ids)
             n += len(ids)
+            if name in self._img:
+                self._img[name][row, :len(t)] = NULL_BLOCK
+        self._free_rows.append(row)
         return n
+
+    def _take_row(self) -> int:
+        """A free row of the export images (grown by doubling when every row is live)."""
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = self._rows_used
+        self._rows_used += 1
+        for name, img in self._img.items():
+            if row >= img.shape[0]:
+                new = torch.full((max(8, 2 * img.shape[0]), img.shape[1]), NULL_BLOCK, dtype=torch.int32)
+                new[:img.shape[0]] = img
+                self._img[name] = new
+        return row
+
+    def _img_write(self, name: str, row: int, col: int, values: Sequence[int]) -> None:
+        """Columns ``col ..`` of a row of group ``name``'s export image (grown by doubling)."""
+        img = self._img[name]
+        end = col + len(values)
+        if end > img.shape[1]:
+            new = torch.full((img.shape[0], max(end, 2 * img.shape[1], 16)), NULL_BLOCK, dtype=torch.int32)
+            new[:, :img.shape[1]] = img
+            self._img[name] = img = new
+        img[row, col:end] = torch.tensor(values, dtype=torch.int32)
 
     # ---- export ---------------------------------------------------------------------------
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
@@ -375,9 +418,10 @@ class KVCacheManager:
         padded with ``NULL_BLOCK``. ``width`` defaults to the longest row; a fixed capacity width
         keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit. ``out``: a
         CPU int32 ``[len(req_ids), >= longest]`` tensor to fill and return instead (``width``
-        and ``device`` are then ignored). The live columns of all rows become one tensor, written
-        with one scatter (short rows: sliding groups, short contexts) or one slice per row (long
-        rows), so the host cost follows the live entries, not a tensor per row."""
+        and ``device`` are then ignored). Full groups: one row gather from the group's export
+        image (kept up to date where tables change). Sliding groups: their live columns become one
+        tensor, written with one scatter (short rows) or one slice per row (long rows). Either
+        way the host cost follows what changed or what is live, not a tensor per row."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
         skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
@@ -392,6 +436,14 @@ class KVCacheManager:
         if width < longest:
             raise ValueError(f"width {width} < longest {g.name} block table ({longest} columns)")
         table = out if out is not None else torch.empty((len(rows), width), dtype=torch.int32)
+        img = self._img.get(g.name)
+        if img is not None:  # a full group: gather the rows of its export image
+            w = min(width, img.shape[1])  # the image is NULL_BLOCK past every row's end
+            if rows and w:
+                table[:, :w] = img[:, :w].index_select(0, torch.tensor([self._row[r] for r in req_ids]))
+            if w < width:
+                table[:, w:] = NULL_BLOCK
+            return table if out is not None else table.to(device)
         table.fill_(NULL_BLOCK)
         # host work: the live columns of each row only (sliding groups: a few per row)
         live = [(i, lo, len(row)) for i, (row, lo) in enumerate(zip(rows, skip)) if len(row) > lo]
