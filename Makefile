@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # Kernel files whose CPU tests are replayed to record the Triton specialisations to compile.
 COMPILE_CHECK_TESTS := tests/test_sparse_attn.py tests/test_sparse_attn_prefill.py tests/test_indexer_ops.py \
-	tests/test_compressor_ops.py tests/test_kv_writers.py tests/test_metadata_ops.py
+	tests/test_compressor_ops.py tests/test_kv_writers.py tests/test_metadata_ops.py tests/test_norm_rope.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .
