@@ -120,6 +120,12 @@ def test_bad_inputs_raise(device):
         (dict(out=torch.zeros(2, 8, dtype=torch.bfloat16, device=device)), TypeError, "out must have dtype"),
         (dict(impl="cuda"), ValueError, "impl must be"),
     ]
+    big = torch.zeros(3, 8, device=device)
+    with pytest.raises(ValueError, match="shares memory with x"):
+        norm_rope(big[:2], eps=1e-6, out=big[1:])
+    with pytest.raises(ValueError, match="shares memory with x"):
+        norm_rope(big[:, :4], eps=1e-6, out=big[:, 4:])
+    assert torch.all(big == 0)
     for kw, exc, msg in cases:
         args = {"x": x, **kw}
         with pytest.raises(exc, match=msg):

@@ -41,7 +41,7 @@ def norm_rope(
     x: ``[N, D]`` or ``[N, G, D]`` (bf16/fp16/fp32, last dim contiguous; G rows share row n of
     cos/sin). cos, sin: fp32 ``[N, half]`` with ``2 * half <= D``. weight: ``[D]`` (needs ``eps``).
     dtype: the result dtype (default x's). out: optional result tensor of x's shape and ``dtype``
-    (may be ``x`` itself: in place). Returns the result.
+    (may be ``x`` itself: in place; any other overlap with x is refused). Returns the result.
     """
     check_tensor("x", x, dtype=_FLOATS)
     if x.dim() not in (2, 3) or x.shape[-1] < 1 or x.stride(-1) != 1:
@@ -73,6 +73,9 @@ def norm_rope(
         check_tensor("out", out, dtype=dtype, shape=tuple(x.shape))
         if out.stride(-1) != 1:
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+        shares = out.device == x.device and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        if shares and (out.data_ptr() != x.data_ptr() or out.stride() != x.stride()):
+            raise ValueError("out shares memory with x without being x itself: give x (in place) or a separate tensor")
     device = same_device(x=x, cos=cos, sin=sin, weight=weight, out=out)
     path = resolve_impl(impl, device)
     if path == "reference" or dtype not in _KERNEL_DTYPES:
