@@ -171,3 +171,44 @@ def test_deterministic_mode_reaches_the_attention_op(monkeypatch):
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)  # CPU: one reference path either way
     with pytest.raises(TypeError, match="deterministic"):
         AttentionRunner(layer, num_blocks=16, max_model_len=64, deterministic=1)
+
+
+def test_graph_tables_equal_a_full_rewrite_across_joins_leaves_and_buckets():
+    """The static decode step rewrites only the table columns its rows reach now or reached
+    before: after every step of a run where requests join, grow past block boundaries and leave
+    and the bucket changes, each group's static table (host image and the tensor the graphs
+    read) equals the full-width table written from scratch, NULL_BLOCK past every row's end."""
+    layers = _layers()
+    e = _engine(layers, max_num_reqs=8, num_blocks=64, max_model_len=300)
+    e.enable_cuda_graphs(buckets=(1, 2, 4, 8), capture=False)
+    g = e.graphs
+    rng = random.Random(5)
+    live: dict[int, int] = {}
+    nxt = 0
+    for _ in range(60):
+        if live and rng.random() < 0.15:  # a request leaves
+            rid = rng.choice(list(live))
+            e.free(rid)
+            del live[rid]
+        if len(live) < 8 and (not live or rng.random() < 0.3):  # a request joins with a prefill
+            n = rng.randint(1, 40)
+            e.begin_step({nxt: n})
+            e.end_step()
+            live[nxt] = n
+            nxt += 1
+        step = {r: 1 for r in live if live[r] < 290}
+        if not step:
+            continue
+        plan = e.begin_step(step)
+        assert plan.bucket is not None
+        for name, t in g.tables.items():
+            W = t.shape[1]
+            want = torch.full((plan.bucket, W), -1, dtype=torch.int32)
+            want[:len(plan.order)] = e.manager.block_table(list(plan.order), name, width=W)
+            if name == "swa":
+                want[len(plan.order):, 0] = 0  # pad rows: one valid id at column 0
+            assert torch.equal(t[:plan.bucket].cpu(), want), name
+            assert torch.equal(g._host[name][:plan.bucket], want), name
+        e.end_step()
+        for r in step:
+            live[r] += 1

@@ -3,7 +3,9 @@
 ``DecodeGraphs(engine, buckets)`` holds the static inputs every captured layer step reads:
 
 - block tables of every group at their capacity width ``cdiv(max_model_len, tokens_per_block)``
-  (rows = bucket size), positions and SWA slot mapping ``[bucket]``;
+  (rows = bucket size), positions and SWA slot mapping ``[bucket]``; a step rewrites only the
+  columns its rows reach now or reached before (the rest stay ``NULL_BLOCK``), so the host work
+  and the copy follow the batch's real context, not ``max_model_len``;
 - the metadata builder's persistent buffers (already static: ``StepMetadataBuilder``);
 - one hidden-state input ``[bucket, hidden]`` per bucket.
 
@@ -66,6 +68,10 @@ class DecodeGraphs:
                        for name, g in self.groups.items()}
         # their host-side images, rewritten each step (one allocation, not one per step)
         self._host = {name: torch.full(t.shape, NULL_BLOCK, dtype=torch.int32) for name, t in self.tables.items()}
+        # per group and row: columns that may hold a block id (past them the row is NULL_BLOCK on
+        # host and device), so a step rewrites and copies only the columns its requests (or the
+        # previous occupants of its rows) reach, not the capacity width sized by max_model_len
+        self._dirty = {name: [0] * n for name in self.tables}
         self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
         self.slots = torch.full((n * q, ), -1, dtype=torch.int64, device=dev)
         hs = engine.layers[0].config.hidden_size
@@ -90,8 +96,17 @@ class DecodeGraphs:
         swa_bs = eng.cache_config.swa_block_size
         pos = torch.arange(q, dtype=torch.int64).repeat(bucket)  # pad requests: positions 0 .. q-1
         slots = torch.full((bucket * q,), -1, dtype=torch.int64)
+        num_tokens = [m.num_tokens(r) for r in order]
         for name, t in self.tables.items():
-            host = self._host[name][:bucket]  # persistent host buffer: no per-step allocation
+            tpb = self.groups[name].tokens_per_block
+            pad_w = 1 if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1) else 0
+            rows = [cdiv(n, tpb) for n in num_tokens] + [pad_w] * (bucket - R)  # each row's table length
+            dirty = self._dirty[name]
+            w = min(t.shape[1], max(max(rows), max(dirty[:bucket])))  # columns to rewrite this step
+            dirty[:bucket] = rows
+            if w == 0:
+                continue  # every row of the bucket is NULL_BLOCK already, on host and device
+            host = self._host[name][:bucket, :w]  # persistent host buffer: no per-step allocation
             if R:
                 m.block_table(order, name, out=host[:R])  # NULL_BLOCK past each row's live columns
             host[R:].fill_(NULL_BLOCK)
@@ -106,7 +121,7 @@ class DecodeGraphs:
                 # pad rows when q > 1 reach entry 0 (p = 3): an id for the builder's check, their
                 # compressed slots are cleared below, so nothing is written
                 host[R:, 0] = 0
-            t[:bucket].copy_(host)
+            t[:bucket, :w].copy_(host)
         self.positions[:bucket * q].copy_(pos)
         self.slots[:bucket * q].copy_(slots)
         tables = {g: self.tables[g][:bucket] for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.tables}
