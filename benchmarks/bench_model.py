@@ -109,8 +109,9 @@ def decode_rows(cfg, layers, dev, batch, ctx, graphs: bool) -> list[Row]:
     x = torch.randn(batch, hs, device=dev, dtype=layers[0].sinks.dtype)
     host_us = median_us(lambda: (eng.begin_step(step), eng.abort_step()))
     plan = eng.begin_step(step)
-    eager = [median_us(lambda i=i: layer_step(layers[i], x, plan.metadata, eng.builder, eng.caches[i],
-                                              plan.state_tables.get(layers[i].ratio), impl=eng.impl))
+    states = [plan.state(layer.ratio) for layer in layers]
+    eager = [median_us(lambda i=i: layer_step(layers[i], x, plan.metadata, eng.builder, eng.caches[i], states[i][0],
+                                              impl=eng.impl, state_positions=states[i][1]))
              for i in range(len(layers))]
     eng.abort_step()
     replay = [float("nan")] * len(layers)
@@ -144,8 +145,10 @@ def prefill_rows(cfg, layers, dev, c: int) -> list[Row]:
     plan = eng.begin_step({0: c})
     rows = []
     for i, layer in enumerate(layers):
-        us = median_us(lambda i=i, layer=layer: layer_step(layer, x, plan.metadata, eng.builder, eng.caches[i],
-                                                           plan.state_tables.get(layer.ratio), impl=eng.impl))
+        st, sp = plan.state(layer.ratio)
+        us = median_us(lambda i=i, layer=layer, st=st, sp=sp: layer_step(layer, x, plan.metadata, eng.builder,
+                                                                         eng.caches[i], st, impl=eng.impl,
+                                                                         state_positions=sp))
         rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} prefill {c}", us, c, c // 2,
                               {"tok/s": f"{c / (us * 1e-6):.0f}"}))
     eng.abort_step()

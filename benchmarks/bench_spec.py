@@ -45,10 +45,10 @@ def spec_rows(cfg, layers, dev, batch: int, ctx: int, ks: tuple[int, ...]) -> tu
         plan = eng.begin_step(step)
         assert plan.metadata.batch.num_decodes == batch  # every request on the decode path
         for i, layer in enumerate(layers):
-            st = plan.state_tables.get(layer.ratio)
+            st, sp = plan.state(layer.ratio)
             for mode in ("eager",):
-                us = median_us(lambda layer=layer, x=x, meta=plan.metadata, c=eng.caches[i], st=st:
-                               layer_step(layer, x, meta, eng.builder, c, st, impl=eng.impl))
+                us = median_us(lambda layer=layer, x=x, meta=plan.metadata, c=eng.caches[i], st=st, sp=sp:
+                               layer_step(layer, x, meta, eng.builder, c, st, impl=eng.impl, state_positions=sp))
                 key = (i, mode)
                 base.setdefault(key, us) if k == 0 else None
                 layer_rows.append(floor_row(cfg, layer, f"L{i} {layer.kind} B={batch} k={k} {mode}", us, T, ctx, {

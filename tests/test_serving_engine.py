@@ -12,6 +12,7 @@ from dsv4attn.config import AttentionConfig
 from dsv4attn.kv_cache.allocator import PoolExhaustedError
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.engine import PagedAttentionEngine
+from dsv4attn.serving.paged import state_window_base
 
 RATIOS = (1, 4, 128)
 
@@ -177,7 +178,8 @@ def test_graph_tables_equal_a_full_rewrite_across_joins_leaves_and_buckets():
     """The static decode step rewrites only the table columns its rows reach now or reached
     before: after every step of a run where requests join, grow past block boundaries and leave
     and the bucket changes, each group's static table (host image and the tensor the graphs
-    read) equals the full-width table written from scratch, NULL_BLOCK past every row's end."""
+    read) equals the table written from scratch, NULL_BLOCK past every row's end (state groups:
+    the windowed table, with the state positions shifted by the same base)."""
     layers = _layers()
     e = _engine(layers, max_num_reqs=8, num_blocks=64, max_model_len=300)
     e.enable_cuda_graphs(buckets=(1, 2, 4, 8), capture=False)
@@ -204,7 +206,14 @@ def test_graph_tables_equal_a_full_rewrite_across_joins_leaves_and_buckets():
         for name, t in g.tables.items():
             W = t.shape[1]
             want = torch.full((plan.bucket, W), -1, dtype=torch.int32)
-            want[:len(plan.order)] = e.manager.block_table(list(plan.order), name, width=W)
+            firsts = None
+            if name in ("c4_state", "c128_state"):  # windowed: from each request's state_window_base on
+                r = 4 if name == "c4_state" else 128
+                tpb = e.manager._group(name).tokens_per_block
+                firsts = [state_window_base(s, r, tpb) // tpb for s in plan.starts]
+                sp = g.state_positions(plan.bucket, r)[:len(plan.order)].cpu()
+                assert torch.equal(sp, plan.positions()[:len(plan.order)] - torch.tensor(firsts) * tpb)
+            want[:len(plan.order)] = e.manager.block_table(list(plan.order), name, width=W, first_cols=firsts)
             if name == "swa":
                 want[len(plan.order):, 0] = 0  # pad rows: one valid id at column 0
             assert torch.equal(t[:plan.bucket].cpu(), want), name

@@ -413,7 +413,8 @@ class KVCacheManager:
 
     # ---- export ---------------------------------------------------------------------------
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
-                    device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+                    device: torch.device | str = "cpu", out: torch.Tensor | None = None,
+                    first_cols: Sequence[int] | None = None) -> torch.Tensor:
         """``[len(req_ids), width]`` int32 block table of ``group`` (rows in ``req_ids`` order),
         padded with ``NULL_BLOCK``. ``width`` defaults to the longest row; a fixed capacity width
         keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit. ``out``: a
@@ -421,11 +422,24 @@ class KVCacheManager:
         and ``device`` are then ignored). Full groups: one row gather from the group's export
         image (kept up to date where tables change). Sliding groups: their live columns become one
         tensor, written with one scatter (short rows) or one slice per row (long rows). Either
-        way the host cost follows what changed or what is live, not a tensor per row."""
+        way the host cost follows what changed or what is live, not a tensor per row.
+
+        ``first_cols`` (sliding groups): row i holds the request's columns from ``first_cols[i]``
+        on (column c at ``c - first_cols[i]``; a *windowed* table, whose users shift positions by
+        ``first_cols[i] * tokens_per_block``), so its width follows the live window, not the
+        context (a state group's columns are raw positions / 4 or / 8)."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
         skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
-        longest = max((len(r) for r in rows), default=0)
+        if first_cols is None:
+            firsts = [0] * len(rows)
+        else:
+            if g.kind == "full":
+                raise ValueError(f"first_cols is for sliding groups; {g.name!r} is a full group")
+            firsts = [_count("first_cols[i]", f) for f in first_cols]
+            if len(firsts) != len(rows):
+                raise ValueError(f"first_cols has {len(firsts)} entries for {len(rows)} requests")
+        longest = max((max(0, len(r) - f) for r, f in zip(rows, firsts)), default=0)
         if out is not None:
             if out.dtype != torch.int32 or out.device.type != "cpu" or out.dim() != 2 or out.shape[0] != len(rows):
                 raise ValueError(f"out must be a CPU int32 [{len(rows)}, width] tensor, got {out.dtype} "
@@ -446,20 +460,22 @@ class KVCacheManager:
             return table if out is not None else table.to(device)
         table.fill_(NULL_BLOCK)
         # host work: the live columns of each row only (sliding groups: a few per row)
-        live = [(i, lo, len(row)) for i, (row, lo) in enumerate(zip(rows, skip)) if len(row) > lo]
+        live = [(i, max(lo, f), len(row)) for i, (row, lo, f) in enumerate(zip(rows, skip, firsts))
+                if len(row) > max(lo, f)]
         if live:
             vals = torch.tensor(list(chain.from_iterable(rows[i][lo:hi] for i, lo, hi in live)), dtype=torch.int32)
             if len(vals) > 64 * len(live):  # long rows: one slice copy per row beats per-value indices
                 at = 0
                 for i, lo, hi in live:
-                    table[i, lo:hi] = vals[at:at + hi - lo]
+                    table[i, lo - firsts[i]:hi - firsts[i]] = vals[at:at + hi - lo]
                     at += hi - lo
                 return table if out is not None else table.to(device)
             counts = torch.tensor([hi - lo for _, lo, hi in live])
             begin = torch.cumsum(counts, 0) - counts  # each live row's first value in vals
             rows_t = torch.tensor([i for i, _, _ in live]).repeat_interleave(counts)
-            # column of each value: its row's first live column + its rank within the row
-            cols = (torch.tensor([lo for _, lo, _ in live]) - begin).repeat_interleave(counts) + torch.arange(len(vals))
+            # column of each value: its row's first live column (shifted) + its rank within the row
+            cols = ((torch.tensor([lo - firsts[i] for i, lo, _ in live]) - begin).repeat_interleave(counts)
+                    + torch.arange(len(vals)))
             table[rows_t, cols] = vals
         return table if out is not None else table.to(device)
 

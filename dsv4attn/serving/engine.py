@@ -47,7 +47,7 @@ from dsv4attn.kv_cache.specs import (
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step
+from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step, state_window_base
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
     from dsv4attn.serving.graphs import DecodeGraphs
@@ -75,8 +75,9 @@ class StepPlan:
     query_lens: tuple[int, ...]
     starts: tuple[int, ...]
     metadata: StepMetadata
-    state_tables: Mapping[int, torch.Tensor]
+    state_tables: Mapping[int, torch.Tensor]  # ratio -> windowed state table (see layer_step)
     bucket: int | None = None  # decode step padded to this CUDA-graph bucket (None: eager)
+    state_positions: Mapping[int, torch.Tensor] | None = None  # ratio -> positions in the windowed table
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +94,12 @@ class StepPlan:
     def positions(self) -> torch.Tensor:
         """int64 [T] (host) position of every token of the step."""
         return self.metadata.batch.positions_cpu
+
+    def state(self, ratio: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(state table, state positions)`` a layer of compress ``ratio`` hands ``layer_step``
+        (the windowed table and the positions relative to it; ``(None, None)`` for ratio 1)."""
+        sp = self.state_positions.get(ratio) if self.state_positions is not None else None
+        return self.state_tables.get(ratio), sp
 
 
 class PagedAttentionEngine:
@@ -184,6 +191,7 @@ class PagedAttentionEngine:
             max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes, rollback_tokens=k)
         self.main_group = main_group(self.cache_config).name
         self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks, rollback_tokens=k)
+        self._tokens_per_block = {g.name: g.tokens_per_block for g in self.manager.groups}
         self.caches = [self._alloc_caches(i) for i in range(len(layers))]
         ratios = tuple(sorted({layer.ratio for layer in layers if layer.ratio > 1}))
         swa_bs = self.cache_config.swa_block_size
@@ -389,15 +397,31 @@ class PagedAttentionEngine:
         bucket = graphs.bucket_for(len(order)) if graphs is not None else None
         if graphs is not None and bucket is not None:  # a bucket comes from graphs only
             meta = graphs.prepare(order, seq_lens, bucket)
-            graph_tables = {r: graphs.state_table(bucket, r) for r in _STATE_GROUP}
-            return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta,
-                            {r: t for r, t in graph_tables.items() if t is not None}, bucket)
+            gtables, gpos = {}, {}
+            for r in _STATE_GROUP:
+                t, sp = graphs.state_table(bucket, r), graphs.state_positions(bucket, r)
+                if t is not None and sp is not None:
+                    gtables[r], gpos[r] = t, sp
+            return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, gtables, bucket,
+                            gpos)
         tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
                                             num_speculative_tokens=self.num_speculative_tokens, device=dev)
         meta = self.builder.build(batch, impl=self.impl)
-        state_tables = {r: m.block_table(order, g, device=dev) for r, g in _STATE_GROUP.items() if g in self.num_blocks}
-        return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables)
+        # windowed state tables: a row holds the columns from the step's earliest state row on,
+        # and the state ops see positions relative to it (width follows the window, not the context)
+        state_tables, state_positions = {}, {}
+        qlens_t = torch.tensor(qlens)
+        for r, g in _STATE_GROUP.items():
+            if g not in self.num_blocks:
+                continue
+            tpb = self._tokens_per_block[g]
+            bases = [state_window_base(starts[rid], r, tpb) for rid in order]
+            state_tables[r] = m.block_table(order, g, device=dev, first_cols=[b // tpb for b in bases])
+            shift = torch.tensor(bases, dtype=torch.int64).repeat_interleave(qlens_t)
+            state_positions[r] = (batch.positions_cpu - shift).to(dev)
+        return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables,
+                        None, state_positions)
 
     def run_layer(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s attention for the open step: hidden ``[T, hidden_size]`` (rows in
@@ -426,8 +450,9 @@ class PagedAttentionEngine:
             assert graphs is not None  # _build gave the plan a bucket from these same graphs
             return graphs.run(i, hidden, plan.bucket)
         with torch.no_grad():
-            return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i],
-                              plan.state_tables.get(layer.ratio), impl=self.impl, deterministic=self.deterministic)
+            st, sp = plan.state(layer.ratio)
+            return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i], st, impl=self.impl,
+                              deterministic=self.deterministic, state_positions=sp)
 
     def end_step(self) -> StepPlan:
         """Close the step: its tokens count as computed (sliding groups release blocks)."""

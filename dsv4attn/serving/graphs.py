@@ -32,6 +32,7 @@ instance per q in ``2 .. 1 + k``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -39,10 +40,11 @@ import torch
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, cdiv
 from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA
 from dsv4attn.metadata import BatchMetadata, StepMetadata
-from dsv4attn.serving.paged import layer_step
+from dsv4attn.serving.paged import layer_step, state_window_base
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
+_RATIO = {name: r for r, name in _STATE.items()}
 
 
 class DecodeGraphs:
@@ -64,8 +66,11 @@ class DecodeGraphs:
         self.engine, self.buckets, self.capture = engine, tuple(buckets), capture
         dev, n, L = engine.device, buckets[-1], engine.max_model_len
         self.groups = {g.name: g for g in engine.manager.groups}
-        self.tables = {name: torch.full((n, cdiv(L, g.tokens_per_block)), NULL_BLOCK, dtype=torch.int32, device=dev)
+        self.tables = {name: torch.full((n, self._width(g, L, q)), NULL_BLOCK, dtype=torch.int32, device=dev)
                        for name, g in self.groups.items()}
+        # positions the state ops see in the windowed state tables (see layer_step)
+        self.state_pos = {name: torch.zeros(n * q, dtype=torch.int64, device=dev) for name in self.tables
+                          if name in _RATIO}
         # their host-side images, rewritten each step (one allocation, not one per step)
         self._host = {name: torch.full(t.shape, NULL_BLOCK, dtype=torch.int32) for name, t in self.tables.items()}
         # per group and row: columns that may hold a block id (past them the row is NULL_BLOCK on
@@ -85,6 +90,17 @@ class DecodeGraphs:
             if capture:
                 self._capture(b)
 
+    @staticmethod
+    def _width(g, max_model_len: int, q: int) -> int:
+        """Columns of a group's static table: the capacity ``cdiv(max_model_len, tokens_per_block)``;
+        a state group's table is windowed (:func:`state_window_base`), so a decode step of q tokens
+        needs at most ``cdiv(2r + lcm(r, tokens_per_block) + q, tokens_per_block) + 1``."""
+        full = cdiv(max_model_len, g.tokens_per_block)
+        r = _RATIO.get(g.name)
+        if r is None:
+            return full
+        return min(full, cdiv(2 * r + math.lcm(r, g.tokens_per_block) + q, g.tokens_per_block) + 1)
+
     def bucket_for(self, num_reqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_reqs), None)
 
@@ -96,25 +112,32 @@ class DecodeGraphs:
         swa_bs = eng.cache_config.swa_block_size
         pos = torch.arange(q, dtype=torch.int64).repeat(bucket)  # pad requests: positions 0 .. q-1
         slots = torch.full((bucket * q,), -1, dtype=torch.int64)
+        p = torch.tensor(list(seq_lens), dtype=torch.int64)[:, None] - q + torch.arange(q)[None, :]  # [R, q]
+        pos[:R * q] = p.flatten()
         num_tokens = [m.num_tokens(r) for r in order]
         for name, t in self.tables.items():
             tpb = self.groups[name].tokens_per_block
             pad_w = 1 if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1) else 0
-            rows = [cdiv(n, tpb) for n in num_tokens] + [pad_w] * (bucket - R)  # each row's table length
+            ratio = _RATIO.get(name)
+            bases = [state_window_base(sl - q, ratio, tpb) for sl in seq_lens] if ratio is not None else [0] * R
+            firsts = [b // tpb for b in bases]
+            rows = [cdiv(n, tpb) - f for n, f in zip(num_tokens, firsts)] + [pad_w] * (bucket - R)  # row lengths
+            if ratio is not None:
+                shift = torch.zeros(bucket * q, dtype=torch.int64)
+                shift[:R * q] = torch.tensor(bases, dtype=torch.int64).repeat_interleave(q)
+                self.state_pos[name][:bucket * q].copy_(pos - shift)
             dirty = self._dirty[name]
             w = min(t.shape[1], max(max(rows), max(dirty[:bucket])))  # columns to rewrite this step
             dirty[:bucket] = rows
             if w == 0:
                 continue  # every row of the bucket is NULL_BLOCK already, on host and device
             host = self._host[name][:bucket, :w]  # persistent host buffer: no per-step allocation
-            if R:
-                m.block_table(order, name, out=host[:R])  # NULL_BLOCK past each row's live columns
+            if R:  # NULL_BLOCK past each row's live columns; state groups windowed
+                m.block_table(order, name, out=host[:R], first_cols=firsts if ratio is not None else None)
             host[R:].fill_(NULL_BLOCK)
             if name == GROUP_SWA and R:
-                # the new tokens' positions and SWA slots, all requests at once
-                p = torch.tensor(seq_lens, dtype=torch.int64)[:, None] - q + torch.arange(q)[None, :]  # [R, q]
+                # the new tokens' SWA slots, all requests at once
                 blk = host[torch.arange(R)[:, None], p // swa_bs].to(torch.int64)
-                pos[:R * q] = p.flatten()
                 slots[:R * q] = (blk * swa_bs + p % swa_bs).flatten()
             if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1):
                 # SWA pad rows: a valid id in the one column position 0 maps to (never read); full
@@ -140,11 +163,16 @@ class DecodeGraphs:
         name = _STATE.get(ratio)
         return self.tables[name][:bucket] if name in self.tables else None
 
+    def state_positions(self, bucket: int, ratio: int) -> torch.Tensor | None:
+        name = _STATE.get(ratio)
+        return self.state_pos[name][:bucket * self.query_len] if name in self.state_pos else None
+
     def _eager(self, i: int, bucket: int, hidden: torch.Tensor) -> torch.Tensor:
         eng = self.engine
         layer = eng.layers[i]
         return layer_step(layer, hidden, self.steps[bucket], eng.builder, eng.caches[i],
-                          self.state_table(bucket, layer.ratio), impl=eng.impl, deterministic=eng.deterministic)
+                          self.state_table(bucket, layer.ratio), impl=eng.impl, deterministic=eng.deterministic,
+                          state_positions=self.state_positions(bucket, layer.ratio))
 
     def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
         """Layer i on the prepared step: hidden ``[R * query_len, hidden]`` -> same shape (a copy)."""

@@ -24,6 +24,7 @@ the attention op come from ``dsv4attn.ops``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,18 @@ def alloc_layer_caches(layer: DeepseekV4Attention, specs: Mapping[str, CacheSpec
     return caches
 
 
+def state_window_base(start: int, ratio: int, tokens_per_block: int) -> int:
+    """First raw position of a request's *windowed* state table for a step whose first new
+    token is at ``start``: at or below every state row the step's tokens write or pool (a
+    window reaches at most ``2r`` rows back: ``(start // r) * r - r``), floored to a multiple of
+    ``lcm(r, tokens_per_block)`` so shifted positions keep ``p % r`` and whole columns, and >= 0.
+    The step hands the writers and the pooling ``positions - base`` with the table's columns
+    from ``base / tokens_per_block`` on, so the table's width follows the window, not the
+    context."""
+    m = math.lcm(ratio, tokens_per_block)
+    return max(0, (start // ratio) * ratio - ratio) // m * m
+
+
 def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots of raw positions in a state cache: positions/req ``[...]`` -> (slot int64, valid bool).
@@ -136,7 +149,9 @@ def run_compressor(
     them), so no host sync picks the boundary tokens. ``rope``: :func:`entry_rope` of these
     positions when the caller already has it; ``proj``: ``(kv_proj(hidden), gate_proj(hidden))``
     when the caller has them (``DeepseekV4Attention.project_inputs``); ``pool_positions``: the
-    positions with -1 where ``entry_slots < 0`` (:func:`pool_positions`). The state rows go to
+    positions with -1 where ``entry_slots < 0`` (:func:`completing_positions`). ``positions``
+    are what the state writer and the pooling see: raw, or shifted for a windowed state table
+    (then ``rope``, at the raw positions, must be given). The state rows go to
     entry ``p`` of the token's request in ``state_table`` (slots computed in the writer; holes
     and freed blocks skip).
     """
@@ -173,8 +188,14 @@ def indexer_topk(
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
     caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto", deterministic: bool = False,
+    state_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``."""
+    """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``.
+
+    ``state_table`` with ``state_positions`` (int64 ``[T]``): a windowed state table (row r from
+    column ``base_r / tokens_per_block`` on) and the tokens' positions minus their request's
+    ``base_r`` (:func:`state_window_base`); without ``state_positions`` the table is the
+    request's whole table and the positions are the raw ones."""
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
     cos, sin = layer.rotary(pos, impl=impl)
@@ -194,8 +215,9 @@ def layer_step(
         assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
         erope = entry_rope(layer.rotary, pos, layer.ratio, impl)
-        ppos = completing_positions(pos, cm.slot_mapping)
-        entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, caches.state, state_table,
+        spos = pos if state_positions is None else state_positions[: pos.shape[0]]
+        ppos = completing_positions(spos, cm.slot_mapping)
+        entries, slots = run_compressor(layer.compressor, hidden, spos, t2r, caches.state, state_table,
                                         cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[2], proj[3]),
                                         pool_positions=ppos)
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
@@ -204,7 +226,7 @@ def layer_step(
         if layer.kind == "csa":
             idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
             assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
-            ientries, islots = run_compressor(idx, hidden, pos, t2r, caches.indexer_state, state_table,
+            ientries, islots = run_compressor(idx, hidden, spos, t2r, caches.indexer_state, state_table,
                                               cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[4], proj[5]),
                                               pool_positions=ppos)
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
