@@ -28,7 +28,7 @@ from dsv4attn.ops.cache_ops import insert_indexer_k, insert_kv
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
 from dsv4attn.reference.indexer import gather_indexer_keys
-from dsv4attn.serving.paged import LayerCaches, run_compressor, state_slots
+from dsv4attn.serving.paged import LayerCaches, completing_positions, run_compressor, state_slots
 
 #: Bound on the indexer's per-chunk temporaries (as in ``layer_step``): 64 MiB of fp32.
 _INDEXER_CHUNK_ELEMENTS = 1 << 24
@@ -126,13 +126,15 @@ def dcp_layer_step(layer: DeepseekV4Attention, hidden: torch.Tensor, meta: DCPSt
     if layer.compressor is not None:
         assert c.compressed is not None and c.state is not None  # a compressed layer's caches
         cm = meta.compressed[layer.ratio]
+        erope = layer.rotary(pos, ratio=layer.ratio)  # at each entry's first raw position
+        ppos = completing_positions(pos, cm.slot_mapping)
         entries, slots = run_compressor(layer.compressor, hidden, pos, t2r, c.state, cm.state_block_table,
-                                        cm.slot_mapping, layer.rotary, impl)
+                                        cm.slot_mapping, ppos, erope, impl)
         insert_kv(entries.contiguous(), slots, c.compressed, kcd, layout=c.layout, validate_slots=False, impl=impl)
         if layer.kind == "csa":
             assert layer.indexer is not None and c.indexer_state is not None and c.indexer_k is not None  # CSA
             ient, islots = run_compressor(layer.indexer, hidden, pos, t2r, c.indexer_state, cm.state_block_table,
-                                          cm.slot_mapping, layer.rotary, impl)
+                                          cm.slot_mapping, ppos, erope, impl)
             insert_indexer_k(ient.contiguous(), islots, c.indexer_k, kcd, validate_slots=False, impl=impl)
             top = dcp_indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, c, cm.block_table,
                                    meta.max_seq_len // layer.ratio, group, meta.rank, meta.world_size, meta.interleave)

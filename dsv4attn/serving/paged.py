@@ -121,13 +121,6 @@ def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.T
     return torch.where(ok, slot, torch.zeros_like(slot)), ok
 
 
-def entry_rope(rotary: torch.nn.Module, positions: torch.Tensor, ratio: int, impl: str = "reference"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin at the first raw position ``k*r`` of the entry each token's position falls in (the
-    rotation of the entries a step completes; one table for both compressors of a CSA layer)."""
-    return rotary(positions, ratio=ratio, impl=impl)
-
-
 def completing_positions(positions: torch.Tensor, entry_slots: torch.Tensor) -> torch.Tensor:
     """int64 positions of the tokens that complete an entry this step (compressed slot >= 0),
     -1 for the others: what the pooling reads (shared by both compressors of a CSA layer)."""
@@ -139,48 +132,42 @@ def completing_positions(positions: torch.Tensor, entry_slots: torch.Tensor) -> 
 def run_compressor(
     comp: Compressor, hidden: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
     state_cache: torch.Tensor, state_table: torch.Tensor, entry_slots: torch.Tensor,
-    rotary: torch.nn.Module, impl: str, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    proj: tuple[torch.Tensor, torch.Tensor] | None = None, pool_positions: torch.Tensor | None = None,
+    pool_positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], impl: str,
+    proj: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Save every token's state row, then build the entries completed in this step.
 
     Returns (entries ``[T, D]`` in hidden's dtype, their compressed slots int64 ``[T]``): one row
     per token; rows of tokens that complete no block have slot -1 (the caller's insert skips
-    them), so no host sync picks the boundary tokens. ``rope``: :func:`entry_rope` of these
-    positions when the caller already has it; ``proj``: ``(kv_proj(hidden), gate_proj(hidden))``
-    when the caller has them (``DeepseekV4Attention.project_inputs``); ``pool_positions``: the
-    positions with -1 where ``entry_slots < 0`` (:func:`completing_positions`). ``positions``
-    are what the state writer and the pooling see: raw, or shifted for a windowed state table
-    (then ``rope``, at the raw positions, must be given). The state rows go to
-    entry ``p`` of the token's request in ``state_table`` (slots computed in the writer; holes
-    and freed blocks skip).
+    them), so no host sync picks the boundary tokens. ``positions``: what the state writer sees
+    (raw, or shifted for a windowed state table); ``pool_positions``: the same with -1 where
+    ``entry_slots < 0`` (:func:`completing_positions`); ``rope``: cos/sin at each entry's first
+    raw position (``rotary(raw positions, ratio=r)``). Both are per layer, shared by the two
+    compressors of a CSA layer. ``proj``: ``(kv_proj(hidden), gate_proj(hidden))`` when the
+    caller has them (``DeepseekV4Attention.project_inputs``). The state rows go to entry ``p``
+    of the token's request in ``state_table`` (slots computed in the writer; holes and freed
+    blocks skip).
     """
     t2r = token_to_req.to(torch.int32)
     kv, gate = proj if proj is not None else (comp.kv_proj(hidden), comp.gate_proj(hidden))
     write_compressor_state(kv, gate, comp.position_bias, positions, None,
                            state_cache, block_table=state_table, token_to_req=t2r, validate_slots=False, impl=impl)
-    pos = positions.long()
-    entry_slots = entry_slots[: pos.shape[0]]
-    if pool_positions is None:
-        pool_positions = completing_positions(pos, entry_slots)
     pooled = comp.pool_paged(state_cache, state_table, t2r, pool_positions, impl=impl)
-    cos, sin = rope if rope is not None else entry_rope(rotary, positions, comp.ratio, impl)
-    return comp.finish(pooled, cos, sin, hidden.dtype, impl=impl), entry_slots
+    cos, sin = rope
+    return comp.finish(pooled, cos, sin, hidden.dtype, impl=impl), entry_slots[: positions.shape[0]]
 
 
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    positions: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
-    impl: str = "auto", w: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
+    eligible: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
+    w: torch.Tensor, impl: str = "auto",
 ) -> torch.Tensor:
     """Request-local top-k int32 ``[T, topk]`` (-1 padded) of every token over the entries
-    ``0 .. (p+1)//r - 1`` of its request's indexer-K cache. ``eligible``: those counts when the
-    caller has them (the step's C4A ``lengths``), ``w``: ``weights_proj(hidden)``."""
+    ``0 .. eligible - 1`` of its request's indexer-K cache (``eligible = (p + 1) // r``: the
+    step's C4A ``lengths``); ``w``: ``weights_proj(hidden)``."""
     idx = layer.indexer
     # callers pass CSA layers only, whose caches the engine allocates with an indexer-K cache
     assert idx is not None and caches.indexer_k is not None
-    if eligible is None:
-        eligible = torch.div(positions.long() + 1, idx.ratio, rounding_mode="floor")
     q, w = idx.queries(qr, hidden, cos, sin, impl=impl, w=w)
     return idx.topk_paged(q, w, caches.indexer_k, mla_table, token_to_req, eligible, impl=impl)
 
@@ -214,12 +201,11 @@ def layer_step(
         # the engine allocates compressed + state caches and a state table for every compressing layer
         assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
-        erope = entry_rope(layer.rotary, pos, layer.ratio, impl)
+        erope = layer.rotary(pos, ratio=layer.ratio, impl=impl)  # at each entry's first raw position
         spos = pos if state_positions is None else state_positions[: pos.shape[0]]
         ppos = completing_positions(spos, cm.slot_mapping)
         entries, slots = run_compressor(layer.compressor, hidden, spos, t2r, caches.state, state_table,
-                                        cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[2], proj[3]),
-                                        pool_positions=ppos)
+                                        cm.slot_mapping, ppos, erope, impl, proj=(proj[2], proj[3]))
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
                   impl=impl)
         lay = caches.layout if kcd == "fp8_ds_mla" else None
@@ -227,12 +213,11 @@ def layer_step(
             idx = layer.indexer  # CSA layers own an indexer; the engine allocates its state and K caches
             assert idx is not None and caches.indexer_state is not None and caches.indexer_k is not None
             ientries, islots = run_compressor(idx, hidden, spos, t2r, caches.indexer_state, state_table,
-                                              cm.slot_mapping, layer.rotary, impl, rope=erope, proj=(proj[4], proj[5]),
-                                              pool_positions=ppos)
+                                              cm.slot_mapping, ppos, erope, impl, proj=(proj[4], proj[5]))
             insert_indexer_k(ientries.contiguous(), islots, caches.indexer_k, kcd, validate_slots=False, impl=impl)
-            # the step's C4A lengths are (p + 1) // 4 per token (0 for padding): the eligible counts
-            local = indexer_topk(layer, qr, hidden, cos, sin, pos, t2r, caches, cm.block_table, impl, w=proj[6],
-                                 eligible=cm.lengths)
+            # the eligible counts are the step's C4A lengths, (p + 1) // 4 per token (0 for padding)
+            assert cm.lengths is not None  # the builder fills them for ratio 4
+            local = indexer_topk(layer, qr, hidden, cos, sin, cm.lengths, t2r, caches, cm.block_table, proj[6], impl)
             glob, lens = builder.global_topk(step, local.contiguous(), impl=impl)
             sets.append(CandidateSet(caches.compressed, lens, indices=glob, layout=lay))
         else:
