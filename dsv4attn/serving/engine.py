@@ -47,7 +47,7 @@ from dsv4attn.kv_cache.specs import (
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step, state_window_base
+from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step, state_window
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
     from dsv4attn.serving.graphs import DecodeGraphs
@@ -411,14 +411,11 @@ class PagedAttentionEngine:
         # windowed state tables: a row holds the columns from the step's earliest state row on,
         # and the state ops see positions relative to it (width follows the window, not the context)
         state_tables, state_positions = {}, {}
-        qlens_t = torch.tensor(qlens)
         for r, g in _STATE_GROUP.items():
             if g not in self.num_blocks:
                 continue
-            tpb = self._tokens_per_block[g]
-            bases = [state_window_base(starts[rid], r, tpb) for rid in order]
-            state_tables[r] = m.block_table(order, g, device=dev, first_cols=[b // tpb for b in bases])
-            shift = torch.tensor(bases, dtype=torch.int64).repeat_interleave(qlens_t)
+            firsts, shift = state_window([starts[rid] for rid in order], qlens, r, self._tokens_per_block[g])
+            state_tables[r] = m.block_table(order, g, device=dev, first_cols=firsts)
             state_positions[r] = (batch.positions_cpu - shift).to(dev)
         return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables,
                         None, state_positions)

@@ -40,7 +40,7 @@ import torch
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, cdiv
 from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA
 from dsv4attn.metadata import BatchMetadata, StepMetadata
-from dsv4attn.serving.paged import layer_step, state_window_base
+from dsv4attn.serving.paged import layer_step, state_window
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
@@ -93,7 +93,7 @@ class DecodeGraphs:
     @staticmethod
     def _width(g, max_model_len: int, q: int) -> int:
         """Columns of a group's static table: the capacity ``cdiv(max_model_len, tokens_per_block)``;
-        a state group's table is windowed (:func:`state_window_base`), so a decode step of q tokens
+        a state group's table is windowed (``serving.paged.state_window_base``), so a decode step of q tokens
         needs at most ``cdiv(2r + lcm(r, tokens_per_block) + q, tokens_per_block) + 1``."""
         full = cdiv(max_model_len, g.tokens_per_block)
         r = _RATIO.get(g.name)
@@ -119,13 +119,13 @@ class DecodeGraphs:
             tpb = self.groups[name].tokens_per_block
             pad_w = 1 if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1) else 0
             ratio = _RATIO.get(name)
-            bases = [state_window_base(sl - q, ratio, tpb) for sl in seq_lens] if ratio is not None else [0] * R
-            firsts = [b // tpb for b in bases]
+            firsts = [0] * R
+            if ratio is not None:  # windowed state table; pad tokens keep shift 0
+                firsts, shift = state_window([sl - q for sl in seq_lens], [q] * R, ratio, tpb)
+                sp = pos.clone()
+                sp[:R * q] -= shift
+                self.state_pos[name][:bucket * q].copy_(sp)
             rows = [cdiv(n, tpb) - f for n, f in zip(num_tokens, firsts)] + [pad_w] * (bucket - R)  # row lengths
-            if ratio is not None:
-                shift = torch.zeros(bucket * q, dtype=torch.int64)
-                shift[:R * q] = torch.tensor(bases, dtype=torch.int64).repeat_interleave(q)
-                self.state_pos[name][:bucket * q].copy_(pos - shift)
             dirty = self._dirty[name]
             w = min(t.shape[1], max(max(rows), max(dirty[:bucket])))  # columns to rewrite this step
             dirty[:bucket] = rows

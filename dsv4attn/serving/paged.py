@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
@@ -108,6 +108,17 @@ def state_window_base(start: int, ratio: int, tokens_per_block: int) -> int:
     context."""
     m = math.lcm(ratio, tokens_per_block)
     return max(0, (start // ratio) * ratio - ratio) // m * m
+
+
+def state_window(starts: Sequence[int], query_lens: Sequence[int], ratio: int, tokens_per_block: int
+                 ) -> tuple[list[int], torch.Tensor]:
+    """Per request ``i`` (first new token at ``starts[i]``, ``query_lens[i]`` new tokens): the first
+    column of its windowed state table, ``state_window_base // tokens_per_block``, and per token
+    (requests' tokens in order) the shift int64 ``[sum(query_lens)]`` to subtract from the raw
+    positions for the state ops."""
+    bases = [state_window_base(s, ratio, tokens_per_block) for s in starts]
+    shift = torch.tensor(bases, dtype=torch.int64).repeat_interleave(torch.tensor(list(query_lens), dtype=torch.int64))
+    return [b // tokens_per_block for b in bases], shift
 
 
 def state_slots(positions: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, block_size: int
