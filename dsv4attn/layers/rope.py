@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from dsv4attn.config import RopeConfig
-from dsv4attn.ops.norm_rope import rope_cos_sin as rope_cos_sin_op
-from dsv4attn.reference.norm_rope import apply_rope, rope_cos_sin
+from dsv4attn.ops.norm_rope import rope_cos_sin
+from dsv4attn.reference.norm_rope import apply_rope
 
 __all__ = ["RotaryTable", "apply_rope"]
 
@@ -34,12 +34,10 @@ class RotaryTable(nn.Module):
     def forward(
         self, positions: torch.Tensor, ratio: int = 1, impl: str = "reference"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[N]`` (any int dtype) -> ``(cos, sin)`` fp32 ``[N, rope_dim // 2]``.
+        """positions ``[N]`` (int32/int64) -> ``(cos, sin)`` fp32 ``[N, rope_dim // 2]``.
 
         ``ratio > 1``: at the first position ``floor(max(p, 0) / r) * r`` of each position's
-        compressed entry. ``impl`` picks the one-launch kernel (``ops.norm_rope.rope_cos_sin``,
-        int32/int64 positions) or the reference."""
+        compressed entry. ``impl`` picks the one-launch kernel (``ops.norm_rope.rope_cos_sin``)
+        or the reference."""
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]  # a registered buffer
-        if impl == "reference" and ratio == 1:
-            return rope_cos_sin(positions, inv_freq, self.rope.attention_factor)
-        return rope_cos_sin_op(positions, inv_freq, self.rope.attention_factor, ratio=ratio, impl=impl)
+        return rope_cos_sin(positions, inv_freq, self.rope.attention_factor, ratio=ratio, impl=impl)

@@ -114,7 +114,6 @@ class DecodeGraphs:
         slots = torch.full((bucket * q,), -1, dtype=torch.int64)
         p = torch.tensor(list(seq_lens), dtype=torch.int64)[:, None] - q + torch.arange(q)[None, :]  # [R, q]
         pos[:R * q] = p.flatten()
-        num_tokens = [m.num_tokens(r) for r in order]
         for name, t in self.tables.items():
             tpb = self.groups[name].tokens_per_block
             pad_w = 1 if name == GROUP_SWA or (name == GROUP_FULL_MLA and q > 1) else 0
@@ -125,7 +124,8 @@ class DecodeGraphs:
                 sp = pos.clone()
                 sp[:R * q] -= shift
                 self.state_pos[name][:bucket * q].copy_(sp)
-            rows = [cdiv(n, tpb) - f for n, f in zip(num_tokens, firsts)] + [pad_w] * (bucket - R)  # row lengths
+            # row lengths: a decode step grew every table to its request's seq_len
+            rows = [cdiv(n, tpb) - f for n, f in zip(seq_lens, firsts)] + [pad_w] * (bucket - R)
             dirty = self._dirty[name]
             w = min(t.shape[1], max(max(rows), max(dirty[:bucket])))  # columns to rewrite this step
             dirty[:bucket] = rows
