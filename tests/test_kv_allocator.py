@@ -129,6 +129,35 @@ def test_block_table_matches_the_per_row_lists(tokens):
         m.block_table(order, "full", out=torch.zeros(len(order), 1, dtype=torch.int32))
 
 
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.lists(st.integers(0, 900), min_size=1, max_size=12), data=st.data())
+def test_windowed_block_table_is_the_row_from_first_cols_on(tokens, data):
+    """``first_cols``: row i is the request's list from column ``first_cols[i]`` on (both write
+    paths, short and long rows), NULL_BLOCK past it; bad ``first_cols`` raise ValueError naming
+    it and change nothing."""
+    groups = [GroupSpec("full", "full", tokens_per_block=2), GroupSpec("state", "sliding", tokens_per_block=2,
+                                                                       window=9)]
+    m = KVCacheManager(groups, 20000)
+    advance = data.draw(st.booleans())  # reclaimed rows: few live columns (scatter); else long rows (slices)
+    for r, n in enumerate(tokens):
+        m.add_request(r, n)
+        if advance:
+            m.advance(r, n)
+    order = list(range(len(tokens)))
+    firsts = [data.draw(st.integers(0, len(m.block_ids(r, "state")) + 2)) for r in order]
+    want = [m.block_ids(r, "state")[f:] for r, f in zip(order, firsts)]
+    width = max(map(len, want), default=0) + 1
+    got = m.block_table(order, "state", width=width, first_cols=firsts)
+    assert got.tolist() == [row + [NULL_BLOCK] * (width - len(row)) for row in want]
+    before = [m.block_ids(r, "state") for r in order]
+    for bad, msg in (([0] * (len(order) + 1), "first_cols has"), ([-1] + [0] * (len(order) - 1), "first_cols")):
+        with pytest.raises(ValueError, match=msg):
+            m.block_table(order, "state", first_cols=bad)
+    with pytest.raises(ValueError, match="first_cols is for sliding groups"):
+        m.block_table(order, "full", first_cols=[0] * len(order))
+    assert [m.block_ids(r, "state") for r in order] == before
+
+
 def test_covers_says_whether_a_grow_takes_blocks():
     """``covers(req, n)``: every group already has the columns for n tokens, i.e. a grow to n
     takes nothing from the pools (the fast path of grow and of the engine's step check)."""
