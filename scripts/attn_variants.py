@@ -5,7 +5,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants      # from the repository root
+    python3 -m scripts.attn_variants [--skips]     # from the repository root; graph-replay times
 """
 
 from __future__ import annotations
@@ -25,18 +25,42 @@ from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
 #: kernel with parts left out (1 dequant, 2 MMAs, 4 page gathers; results then differ): what
 #: each part costs when the others run.
 #: (heads, batch) of the decode cases timed.
-CASES = ((64, 256), (128, 256), (64, 64))
+CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256))
+#: With ``--skips``, only these cases.
+SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
+    ("sm90 single-partition", dict(sm90_ws=False)),
+    ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
     ("portable 64/64/w8", dict(sm90=False)),
-    ("sm90 no dequant", dict(sm90_skip=1)),
-    ("sm90 no mma", dict(sm90_skip=2)),
-    ("sm90 no gather", dict(sm90_skip=4)),
-    ("sm90 gather only", dict(sm90_skip=3)),
-    ("sm90 mma only", dict(sm90_skip=5)),
-    ("sm90 dequant only", dict(sm90_skip=6)),
-    ("sm90 loop only", dict(sm90_skip=7)),
 ]
+#: With ``--skips``: the sm90 kernels with parts left out (profiling only).
+SKIP_VARIANTS = [
+    ("ws: consumers only", dict(sm90_skip=1)),
+    ("ws: producer only", dict(sm90_skip=2)),
+    ("ws: no page loads", dict(sm90_skip=4)),
+    ("ws: loop only", dict(sm90_skip=7)),
+    ("sm90 no dequant", dict(sm90_skip=1, sm90_ws=False)),
+    ("sm90 no mma", dict(sm90_skip=2, sm90_ws=False)),
+    ("sm90 no gather", dict(sm90_skip=4, sm90_ws=False)),
+    ("sm90 gather only", dict(sm90_skip=3, sm90_ws=False)),
+    ("sm90 mma only", dict(sm90_skip=5, sm90_ws=False)),
+    ("sm90 dequant only", dict(sm90_skip=6, sm90_ws=False)),
+    ("sm90 loop only", dict(sm90_skip=7, sm90_ws=False)),
+]
+
+def _graph_us(fn) -> float:
+    """Kernel time of ``fn``'s launches: one CUDA graph of it, replayed (eager calls of the
+    small cases are bound by the host's launch cost)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return median_us(graph.replay, warmup_ms=5, rep_ms=30)
+
 
 def sets_for(b: int, gen) -> list[CandidateSet]:
     out = []
@@ -49,8 +73,11 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
 
 
 def main() -> None:
+    import sys
+
+    variants = (VARIANTS[:3] + SKIP_VARIANTS[:4]) if "--skips" in sys.argv else VARIANTS
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for h, b in CASES:
+    for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(b, gen)
         sink = torch.randn(h, device="cuda", generator=gen)
@@ -59,15 +86,14 @@ def main() -> None:
         ref_o, ref_l = dsv4attn.sparse_mla_attention(q, sets, SCALE, sink)
         base = kernel_config(b, h, D, 640, q.device)
         print(f"decode h{h} B{b} (default {base})", flush=True)
-        for label, over in VARIANTS:
+        for label, over in variants:
             for splits in sorted({base.num_splits, 1}):
                 cfg = dataclasses.replace(base, num_splits=splits, **over)
                 try:
                     launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                     d_o = (out.float() - ref_o.float()).abs().max().item()
                     d_l = (lse - ref_l).abs().max().item()
-                    us = median_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg),
-                                   warmup_ms=5, rep_ms=30)
+                    us = _graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg))
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue

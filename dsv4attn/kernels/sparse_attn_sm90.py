@@ -362,7 +362,19 @@ def _sparse_mla_attn_sm90_kernel(
                 m_i, l_i, b_start, b_len, b_req, xb, b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
                 b_idx_ptr, b_stride_idx, b_bt_ptr, b_stride_bt, b_max_blocks, qk_scale, B_RANGE, False, SKIP)
 
-    # Epilogue in O's layout (rows = heads).
+    _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t,
+              max_ptr, stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
+              HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)
+
+
+@gluon.jit
+def _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t,
+              max_ptr, stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
+              HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
+    """Write a program's result from the unnormalised ``o`` [64, 512], the row max ``m_i``
+    (base 2) and the per-element row sums ``l_i`` [64, 64]: the split-KV partial (normalised O,
+    base-2 lse) or the final output with the sink, lse (+inf for empty rows) and max logits."""
+    # In O's layout (rows = heads).
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
     l_o = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, O_L))
     h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))

@@ -58,8 +58,15 @@ class KernelConfig:
     #: (:func:`uses_sm90`): Hopper, 64-head tiles, head dim 512, fp8 pages of the 448 + 64
     #: layout or bf16 pages.
     sm90: bool = False
+    #: On fp8 pages, run the warp-specialised variant of the sm90 kernel
+    #: (:mod:`dsv4attn.kernels.sparse_attn_sm90_ws`: a producer partition gathers and
+    #: dequantises while the two consumer warpgroups multiply); False: the single-partition one.
+    sm90_ws: bool = True
+    #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
+    #: is loaded (tuning switch; measured in scripts/attn_variants.py).
+    sm90_l2_prefetch: bool = True
     #: Profiling only (scripts/attn_variants.py): parts of the sm90 kernel to skip (1 dequant,
-    #: 2 MMAs, 4 page gathers); 0 in every production config.
+    #: 2 MMAs (ws: MMAs and softmax), 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
 
 
@@ -346,16 +353,17 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
-        kernel, warps = _sm90_kernel()
+        ws = cfg.sm90_ws and a.is_fp8
+        kernel, warps = _sm90_kernel(ws)
+        extra = dict(SKIP=cfg.sm90_skip)
+        extra.update(dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(PAGES_BF16=not a.is_fp8))
         try:
             kernel[grid](
                 *args,
                 A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                 WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
-                A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, PAGES_BF16=not a.is_fp8,
-                WRITE_MAX=max_logits is not None,
-                SKIP=cfg.sm90_skip,
-                num_warps=warps, num_stages=1,
+                A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
+                num_warps=warps, num_stages=1, **extra,
             )
             return
         except Exception as e:  # noqa: BLE001 - only compile / launch failures fall back
@@ -376,8 +384,13 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 _sm90_failures: list[str] = []
 
 
-def _sm90_kernel():
-    """The Gluon sm90 kernel and its warp count (imported on first use)."""
+def _sm90_kernel(ws: bool):
+    """The Gluon sm90 kernel (``ws``: its warp-specialised fp8 variant) and the warp count it
+    is launched with (imported on first use)."""
+    if ws:
+        from dsv4attn.kernels import sparse_attn_sm90_ws as m
+
+        return m._sparse_mla_attn_sm90_ws_kernel, m.NUM_WARPS
     from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
 
     return _sparse_mla_attn_sm90_kernel, NUM_WARPS

@@ -1,0 +1,305 @@
+"""Warp-specialised Hopper (sm90) sparse MLA attention kernel in Gluon, fp8 pages.
+
+Same grid, arguments and outputs as :func:`dsv4attn.kernels.sparse_attn_sm90._sparse_mla_attn_sm90_kernel`
+on fp8 pages of the 448 + 64 layout (the launcher picks one or the other; bf16 pages keep the
+single-partition kernel, which has no dequantisation to overlap).
+
+Why (docs/design.md, "Attention kernel"): in the single-partition kernel the same 8 warps
+dequantise a chunk, then multiply it, one after the other (~1.4 us + ~1.9 us per 64-candidate
+chunk on the H200). Here two partitions run side by side on one CTA:
+
+- the **producer** (4 warps, few registers) gathers each 64-candidate chunk with plain 16-byte
+  loads straight into registers, two 32-row halves at a time, issued one chunk ahead (the loads
+  of chunk c+1 are in flight while chunk c is dequantised), dequantises (hardware e4m3 -> f32,
+  times the tile's 2^(byte-127), RoPE merged in registers) and writes the bf16 tile into one of
+  two K stages in shared memory, then marks the stage full (mbarrier);
+- the **consumers** (8 warps, the two warpgroups, most registers) wait for a full stage and run
+  ``S = q K^T``, the online softmax and ``O += P K`` exactly as the single-partition kernel
+  (shared helper :func:`dsv4attn.kernels.sparse_attn_sm90._softmax_pv`), then mark the stage
+  empty.
+
+So the dequantisation of chunk c+1 overlaps the MMAs and softmax of chunk c, and the consumers'
+registers hold no gather or dequantisation state. Invalid candidates are never dereferenced
+(masked loads) and get -inf logits from the per-chunk validity vector, as in every kernel of
+the library.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
+from dsv4attn.kernels.sparse_attn_sm90 import (
+    BLOCK_H, BLOCK_N, FLAT_SMEM, HEAD_DIM, MMA_SMEM, NOPE, O_L, Q_L, S_L, VEC_SMEM, _cta_barrier, _epilogue, _extent,
+    _softmax_pv,
+)
+
+#: Consumer warps (the default partition: two warpgroups) and the producer partition's warps
+#: and registers per thread (the consumers get what is left of the register file).
+NUM_WARPS = 8
+PRODUCER_WARPS = gl.constexpr(4)
+PRODUCER_REGS = gl.constexpr(128)
+#: Rows per producer step (half a chunk).
+HALF = gl.constexpr(32)
+# Producer layout [32 rows, 8 tiles, 64 bytes]: a lane holds 16 bytes of one row, 4 lanes a
+# 64-byte tile, 8 rows per warp; each thread covers one row x 8 tiles (tile 7 = RoPE, loaded as
+# bf16 through R_L, which gives each thread 16 RoPE values of the same row).
+P_L = gl.constexpr(gl.BlockedLayout([1, 1, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0]))
+P_ROW = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, P_L)))
+P_TILE = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, P_L)))
+P_COL = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, P_L)))
+R_L = gl.constexpr(gl.SliceLayout(1, P_L))
+# L2 prefetch of a half-chunk: [32 rows, 8 addresses] (the row's 128-byte lines and its scale
+# word), two per thread.
+PF_L = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _half_rows(h, split, num_splits):
+    """Candidate positions of half-chunk ``h`` of this split: chunk ``split + (h // 2) *
+    num_splits``, rows ``(h % 2) * 32 ..`` (the split's chunks interleave as in every kernel)."""
+    return (split + (h // 2) * num_splits) * BLOCK_N + (h % 2) * HALF + gl.arange(0, HALF, layout=P_ROW)
+
+
+@gluon.jit
+def _load_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
+    """Issue the loads of one half-chunk (``x``: its slot-lookup reads): fp8 bytes [32, 8, 64]
+    (tile 7 masked), RoPE [32, 64] bf16, the 8 scale bytes per row as one int64, validity."""
+    blk, off, valid = _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
+    data = blk * stride_blk + off * 576
+    t3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=P_TILE), 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=P_COL), 0), 1)
+    d3 = gl.expand_dims(gl.expand_dims(data, 1), 2)
+    v3 = gl.expand_dims(gl.expand_dims(valid, 1), 2)
+    raw = gl.load(cache_ptr + d3 + t3 * 64 + c3, mask=v3 & (t3 < 7), other=0)
+    rrow: gl.constexpr = gl.SliceLayout(1, R_L)
+    rdata = gl.convert_layout(data, rrow, assert_trivial=True)
+    rvalid = gl.convert_layout(valid, rrow, assert_trivial=True)
+    rc = gl.arange(0, 64, layout=gl.SliceLayout(0, R_L))
+    rptr = (cache_ptr + rdata + NOPE).to(gl.pointer_type(gl.bfloat16))
+    rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(rc, 0), mask=gl.expand_dims(rvalid, 1), other=0.0)
+    sptr = (cache_ptr + blk * stride_blk + block_size * 576 + off * 8).to(gl.pointer_type(gl.int64))
+    sc = gl.load(sptr, mask=valid, other=0)
+    return raw, rope, sc, valid
+
+
+@gluon.jit
+def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
+    """Ask L2 for one half-chunk's rows (every 128-byte line of the 576 data bytes and the scale
+    word) ahead of their loads: no registers are held while the lines travel. Invalid
+    candidates prefetch the cache's first line instead (never an address outside the cache)."""
+    xr = gl.convert_layout(x, gl.SliceLayout(1, PF_L))
+    jr = gl.convert_layout(j, gl.SliceLayout(1, PF_L))
+    blk, off, valid = _candidate_place(xr, jr, start, block_size, capacity, IS_RANGE)
+    k = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L)), 0)
+    row = gl.expand_dims(blk * stride_blk, 1)
+    line = gl.where(k < 5, row + gl.expand_dims(off * 576, 1) + k * 128, row + gl.expand_dims(off * 576, 1) + 575)
+    addr = gl.where(k < 6, line, row + block_size * 576 + gl.expand_dims(off * 8, 1))
+    addr = gl.where(gl.expand_dims(valid, 1), addr, 0)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [cache_ptr + addr],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _store_half(raw, rope, sc, valid, k_half, valid_half):
+    """Dequantise a loaded half-chunk into ``k_half`` [32, 512] bf16 (shared, wgmma layout):
+    value x 2^(byte-127) per (row, 64-dim tile), exact in bf16; invalid rows are zeros (their
+    scale word loads as 0). Tile 7 takes the RoPE values."""
+    tile = gl.arange(0, 8, layout=P_TILE)
+    e = (gl.expand_dims(sc, 1) >> (gl.expand_dims(tile, 0) * 8).to(gl.int64)) & 255
+    scale = (e.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
+    f = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
+    t3 = gl.expand_dims(gl.expand_dims(tile, 0), 2)
+    f = gl.where(t3 < 7, f, gl.expand_dims(rope, 1))
+    k_half.store(gl.reshape(f, [HALF, HEAD_DIM]))
+    valid_half.store(valid.to(gl.int8))
+
+
+@gluon.jit
+def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                 cache_ptr, stride_blk, block_size, capacity,
+                 idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr, PREFETCH: gl.constexpr):
+    """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
+    chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
+    are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
+    their latency runs under the consumers' work on the other stage; then both halves are
+    dequantised into the stage. (Holding the next chunk's loads in registers across the
+    dequantisation, one step further ahead, spills the producer's registers.)"""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = gl.maximum(gl.cdiv(gl.cdiv(length, BLOCK_N) - split, num_splits), 0)
+    x0 = _candidate_entry(t, _half_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    x1 = _candidate_entry(t, _half_rows(1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    y0 = _candidate_entry(t, _half_rows(2, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    for h in range(0, 2 * n_mine, 2):
+        if (SKIP & 4) != 0:  # profiling: no page loads
+            x0 = x0 * 0 - 1
+            x1 = x1 * 0 - 1
+        raw0, rope0, sc0, v0 = _load_half(cache_ptr, x0, _half_rows(h, split, num_splits), start, block_size,
+                                          capacity, stride_blk, IS_RANGE)
+        raw1, rope1, sc1, v1 = _load_half(cache_ptr, x1, _half_rows(h + 1, split, num_splits), start, block_size,
+                                          capacity, stride_blk, IS_RANGE)
+        if PREFETCH:  # the next chunk's lines, while this one is loaded and dequantised
+            _prefetch_half(cache_ptr, y0, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+            _prefetch_half(cache_ptr, y1, _half_rows(h + 3, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+        x0 = y0
+        x1 = y1
+        y0 = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        y1 = _candidate_entry(t, _half_rows(h + 5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        k_buf = k_bufs.index(st)
+        valid_buf = valid_bufs.index(st)
+        if (SKIP & 1) == 0:
+            _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0))
+            _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0))
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
+              a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+              a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
+              a_start_ptr,
+              b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
+              b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
+              b_start_ptr,
+              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+              B_LEN: gl.constexpr, SKIP: gl.constexpr, PREFETCH: gl.constexpr):
+    it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                      a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width, a_len_ptr,
+                      a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE, A_LEN, SKIP, PREFETCH)
+    if HAS_B:
+        _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                     b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width, b_len_ptr,
+                     b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE, B_LEN, SKIP, PREFETCH)
+
+
+@gluon.jit
+def _consume_set(it, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits,
+                 block_size, width, len_ptr, max_blocks, num_reqs, req_ptr, start_ptr, qk_scale,
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr):
+    """Attend this split's chunks of one set as the producer fills them (same order)."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    for c in range(split, gl.cdiv(length, BLOCK_N), num_splits):
+        st = it % 2
+        mbarrier.wait(full.index(st), (it // 2) & 1)
+        k_cur = k_bufs.index(st)
+        if (SKIP & 2) == 0:
+            s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L),
+                              use_acc=False)
+            o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, mx_smem, k_cur, qk_scale, 0)
+        _cta_barrier()  # both warpgroups' MMAs on stage st are complete (synchronous wgmma)
+        mbarrier.arrive(empty.index(st))
+        it += 1
+    return it, o, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h,
+              q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits, qk_scale,
+              a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+              b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+              B_LEN: gl.constexpr, SKIP: gl.constexpr):
+    """Load q (while the producer's first gathers fly), then attend both sets; returns the
+    unnormalised O, the row max (base 2) and the per-element row sums."""
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_L))
+    for r in gl.static_range(0, BLOCK_H, 16):
+        hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+        hq_ok = hq < num_heads
+        q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
+                    + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
+        q_smem.slice(r, 16, dim=0).store(q.to(gl.bfloat16))
+    fence_async_shared()
+    _cta_barrier()
+    o = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, O_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+    it, o, m_i, l_i = _consume_set(t * 0, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t,
+                                   split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs,
+                                   a_req_ptr, a_start_ptr, qk_scale, A_RANGE, A_LEN, SKIP)
+    if HAS_B:
+        it, o, m_i, l_i = _consume_set(it, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t,
+                                       split, num_splits, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs,
+                                       b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN, SKIP)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _sparse_mla_attn_sm90_ws_kernel(
+    q_ptr, stride_q_t, stride_q_h,
+    out_ptr, stride_o_t, stride_o_h,
+    lse_ptr, stride_lse_t,
+    max_ptr, stride_max_t,
+    part_o_ptr, part_lse_ptr,
+    sink_ptr,
+    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+    a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+    b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+    num_heads, qk_scale, split_base, total_splits, num_splits,
+    A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+    HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
+    A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, SKIP: gl.constexpr = 0,
+    PREFETCH: gl.constexpr = True,
+):
+    """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest; fp8 pages
+    of the 448 + 64 layout in both sets; launched with ``NUM_WARPS`` warps (the producer's run
+    on top). ``SKIP`` (profiling only, 0 in production; results are then wrong): 1 the
+    producer's dequantisation and stores, 2 the consumers' MMAs and softmax, 4 the page loads."""
+    tiles = gl.cdiv(num_heads, BLOCK_H)
+    t = gl.program_id(0) // tiles
+    pid_h = gl.program_id(0) % tiles
+    split = gl.program_id(1)
+    t64 = t.to(gl.int64)
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], MMA_SMEM)
+    valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
+    mx_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], FLAT_SMEM)
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(full.index(i), count=1)
+    fence_async_shared()
+
+    o, m_i, l_i = gl.warp_specialize([
+        (_consumer, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h,
+                     q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits, qk_scale,
+                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, SKIP)),
+        (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                     a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                     a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                     a_req_ptr, a_start_ptr,
+                     b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
+                     b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                     b_req_ptr, b_start_ptr,
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, SKIP, PREFETCH)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+    # Epilogue on the consumers' warps (the producer's are idle outside the specialised region).
+    _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t,
+              max_ptr, stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
+              HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)
