@@ -11,8 +11,9 @@ what a GPU with another architecture or another Triton release would hit on firs
     python3 -m scripts.compile_check record specs.json tests/test_sparse_attn.py ...
     python3 -m scripts.compile_check compile specs.json [--targets 80,90] [--sm90]
 
-The Gluon sm90 kernel is not launched on CPU, so step 2 also compiles its variants (page kind x
-set forms x partial output) for sm_90 directly from its signature (``compile --sm90``).
+The Gluon sm90 kernels are not launched on CPU, so step 2 also compiles their variants (page kind x
+set forms x partial output; the warp-specialised one on fp8 pages) for sm_90 directly from their
+signatures (``compile --sm90``).
 """
 
 from __future__ import annotations
@@ -128,49 +129,56 @@ def compile_all(path: str, targets: list[int]) -> int:
 
 
 def compile_sm90() -> int:
-    """Compile the Gluon sm90 kernel's variants for sm_90a (what dispatch can launch)."""
+    """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
+    single-partition kernel (page kind x set forms x partial output) and the warp-specialised
+    fp8 one (set forms x partial output)."""
     import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel as kernel
+    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_ws
 
-    names = list(kernel.arg_names)
     failures = n = 0
-    for bf16, a_range, b_range, partial in itertools.product((False, True), repeat=4):
-        const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
-                     OUT_BF16=True, A_LEN=True, B_LEN=True, PAGES_BF16=bf16, WRITE_MAX=not partial, SKIP=0)
-        sig = {}
-        for a in names:
-            if a in const:
-                sig[a] = "constexpr"
-            elif a.endswith("_ptr"):
-                if "cache" in a:
-                    sig[a] = "*bf16" if bf16 else "*u8"
-                elif a in ("q_ptr", "out_ptr"):
-                    sig[a] = "*bf16"
-                elif any(x in a for x in ("idx", "len", "bt", "req", "start")):
-                    sig[a] = "*i32"
+    kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)))
+    for kernel, warps, page_kinds in kernels:
+        names = list(kernel.arg_names)
+        for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),
+                                                                 (False, True)):
+            const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
+                         OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial, SKIP=0)
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True)) if k in names})
+            sig = {}
+            for a in names:
+                if a in const:
+                    sig[a] = "constexpr"
+                elif a.endswith("_ptr"):
+                    if "cache" in a:
+                        sig[a] = "*bf16" if bf16 else "*u8"
+                    elif a in ("q_ptr", "out_ptr"):
+                        sig[a] = "*bf16"
+                    elif any(x in a for x in ("idx", "len", "bt", "req", "start")):
+                        sig[a] = "*i32"
+                    else:
+                        sig[a] = "*fp32"
                 else:
-                    sig[a] = "*fp32"
-            else:
-                sig[a] = "fp32" if a == "qk_scale" else "i32"
-        # What Triton's specialisation proves at launch for production caches: 16-aligned
-        # pointers, block / entry / row strides that are multiples of 16 (uses_sm90 requires it).
-        div = [i for i, a in enumerate(names) if a.endswith("_ptr") or a in (
-            "a_stride_blk", "b_stride_blk", "a_stride_entry", "b_stride_entry", "stride_q_t", "stride_q_h",
-            "stride_o_t", "stride_o_h")]
-        src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()},
-                             {(i,): [["tt.divisibility", 16]] for i in div})
-        n += 1
-        try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS, num_stages=1))
-        except Exception as e:  # noqa: BLE001 - report every failure
-            failures += 1
-            print(f"FAIL sm90 kernel {const}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-    print(f"sm_90: {n - failures}/{n} variants of the Gluon sm90 kernel compile with Triton {triton.__version__}")
+                    sig[a] = "fp32" if a == "qk_scale" else "i32"
+            # What Triton's specialisation proves at launch for production caches: 16-aligned
+            # pointers, block / entry / row strides that are multiples of 16 (uses_sm90 requires it).
+            div = [i for i, a in enumerate(names) if a.endswith("_ptr") or a in (
+                "a_stride_blk", "b_stride_blk", "a_stride_entry", "b_stride_entry", "stride_q_t", "stride_q_h",
+                "stride_o_t", "stride_o_h")]
+            src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()},
+                                 {(i,): [["tt.divisibility", 16]] for i in div})
+            n += 1
+            try:
+                triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+            except Exception as e:  # noqa: BLE001 - report every failure
+                failures += 1
+                print(f"FAIL {kernel.__name__} {const}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    print(f"sm_90: {n - failures}/{n} variants of the Gluon sm90 kernels compile with Triton {triton.__version__}")
     return failures
 
 
