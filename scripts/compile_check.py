@@ -130,19 +130,20 @@ def compile_all(path: str, targets: list[int]) -> int:
 
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
-    single-partition kernel (page kind x set forms x partial output) and the warp-specialised
-    fp8 one (set forms x partial output)."""
+    single-partition kernel (page kind x set forms x partial output) and the two warp-specialised
+    fp8 ones (set forms x partial output)."""
     import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_ws
+    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_split, sparse_attn_sm90_ws
 
     failures = n = 0
     kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)))
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)),
+               (sparse_attn_sm90_split._sparse_mla_attn_sm90_split_kernel, sparse_attn_sm90_split.NUM_WARPS, (False,)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),
