@@ -5,7 +5,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips]     # from the repository root; graph-replay times
+    python3 -m scripts.attn_variants [--skips] [--quick]   # from the repository root; graph-replay times
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def main() -> None:
     import sys
 
     variants = (VARIANTS[:4] + SKIP_VARIANTS[:4]) if "--skips" in sys.argv else VARIANTS
+    if "--quick" in sys.argv:  # the Gluon kernels only
+        variants = VARIANTS[:3]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
