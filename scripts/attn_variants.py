@@ -30,17 +30,12 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
-    ("ws shared consumers", dict(sm90_split=False)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
-#: With ``--skips``: the sm90 kernels with parts left out (profiling only).
+#: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
 SKIP_VARIANTS = [
-    ("ws: consumers only", dict(sm90_skip=1, sm90_split=False)),
-    ("ws: producer only", dict(sm90_skip=2, sm90_split=False)),
-    ("ws: no page loads", dict(sm90_skip=4, sm90_split=False)),
-    ("ws: loop only", dict(sm90_skip=7, sm90_split=False)),
     ("sm90 no dequant", dict(sm90_skip=1, sm90_ws=False)),
     ("sm90 no mma", dict(sm90_skip=2, sm90_ws=False)),
     ("sm90 no gather", dict(sm90_skip=4, sm90_ws=False)),
@@ -76,7 +71,7 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
 def main() -> None:
     import sys
 
-    variants = (VARIANTS[:4] + SKIP_VARIANTS[:4]) if "--skips" in sys.argv else VARIANTS
+    variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
         variants = VARIANTS[:3]
     gen = torch.Generator(device="cuda").manual_seed(0)

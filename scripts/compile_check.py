@@ -130,27 +130,26 @@ def compile_all(path: str, targets: list[int]) -> int:
 
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
-    single-partition kernel (page kind x set forms x partial output) and the two warp-specialised
-    fp8 ones (set forms x partial output)."""
+    single-partition kernel (page kind x set forms x partial output) and the warp-specialised
+    fp8 one (set forms x partial output)."""
     import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_split, sparse_attn_sm90_ws
+    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_ws
 
     failures = n = 0
     kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)),
-               (sparse_attn_sm90_split._sparse_mla_attn_sm90_split_kernel, sparse_attn_sm90_split.NUM_WARPS, (False,)))
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),
                                                                  (False, True)):
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
-                         OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial, SKIP=0)
-            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True)) if k in names})
+                         OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
             sig = {}
             for a in names:
                 if a in const:

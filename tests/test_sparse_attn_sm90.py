@@ -49,15 +49,13 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True,
-         split: bool = True):
-    """``sm90``: a Gluon kernel (``ws``: a warp-specialised fp8 variant, ``split``: with split
-    consumers) or the portable one."""
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
+    """``sm90``: a Gluon kernel (``ws``: the warp-specialised fp8 one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_split is True
+    assert cfg.sm90 is True and cfg.sm90_ws is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws, sm90_split=split)
+                       sm90_ws=ws)
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -69,14 +67,14 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", ["split", "ws", "single"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Every Gluon variant (fp8 pages: warp-specialised with split or shared consumers, or
-    single-partition; bf16 pages always run the single-partition kernel)."""
+    """Both Gluon kernels (fp8 pages: warp-specialised or single-partition; bf16 pages always
+    run the single-partition kernel)."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
-    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant != "single", split=variant == "split")
+    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")
     ref = oracle(q, built, 0.09, sink)
     assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
     p_out, p_lse = _run(q, built, sink, num_splits, False, device)
@@ -163,7 +161,7 @@ def test_build_failure_falls_back_to_the_portable_kernel(monkeypatch, device):
     cfg = KernelConfig(16, 16, 1, 4, 1, sm90=True)
     want_o, want_l = torch.empty_like(q), torch.empty(2, 4, device=device)
     launch(q, [built[0].cset], 0.1, None, want_o, want_l, None, 1, config=dataclasses.replace(cfg, sm90=False))
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, split=False: (_Broken(), 8))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws: (_Broken(), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     for i in range(2):
@@ -190,7 +188,7 @@ def test_argument_errors_are_not_swallowed(monkeypatch, device):
     gen = torch.Generator().manual_seed(4)
     built = [build_set(SetSpec("indices", True, 16, 20), 1, [0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(1, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, split=False: (_Bad(), 8))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws: (_Bad(), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     with pytest.raises(TypeError, match="bad argument"):
@@ -199,13 +197,12 @@ def test_argument_errors_are_not_swallowed(monkeypatch, device):
     assert sl._sm90_failures == []
 
 
-@pytest.mark.parametrize("variant", ["split", "ws", "single"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, variant):
     """Dispatch: when uses_sm90 holds, the sm90 kernel picked by ``sm90_ws`` (fp8 pages) gets
     the portable kernel's arguments plus its own constexprs, and nothing else runs (no portable
     launch after it)."""
     from dsv4attn.kernels.sparse_attn_sm90 import _sparse_mla_attn_sm90_kernel as single
-    from dsv4attn.kernels.sparse_attn_sm90_split import _sparse_mla_attn_sm90_split_kernel as split_consumers
     from dsv4attn.kernels.sparse_attn_sm90_ws import _sparse_mla_attn_sm90_ws_kernel as warp_specialised
     from dsv4attn.ops import sparse_attn_launch as sl
 
@@ -223,15 +220,13 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     gen = torch.Generator().manual_seed(5)
     built = [build_set(SetSpec("indices", True, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(3, 40, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    kernels = {"split": split_consumers, "ws": warp_specialised, "single": single}
-    monkeypatch.setattr(sl, "_sm90_kernel",
-                        lambda w, s=False: (_Ok(kernels["single" if not w else "split" if s else "ws"]), 8))
+    kernels = {"ws": warp_specialised, "single": single}
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(kernels["ws" if w else "single"]), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     out = torch.full_like(q, 7.0)
     launch(q, [built[0].cset], 0.1, None, out, torch.empty(3, 40, device=device), None, 1,
-           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=variant != "single",
-                               sm90_split=variant == "split"))
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=variant == "ws"))
     assert len(seen) == 1 and (out == 7.0).all()  # the (fake) sm90 kernel ran alone
     grid, nargs, kw, real = seen[0]
     assert real is kernels[variant]

@@ -2,26 +2,30 @@
 
 Same grid, arguments and outputs as :func:`dsv4attn.kernels.sparse_attn_sm90._sparse_mla_attn_sm90_kernel`
 on fp8 pages of the 448 + 64 layout (the launcher picks one or the other; bf16 pages keep the
-single-partition kernel, which has no dequantisation to overlap).
+single-partition kernel, which has no dequantisation to overlap). One CTA of 12 warps in three
+partitions that share q, two K stages [64, 512] bf16, P and the per-chunk validity vectors in
+shared memory and hand work over with mbarriers (docs/design.md, "Attention kernel"):
 
-Why (docs/design.md, "Attention kernel"): in the single-partition kernel the same 8 warps
-dequantise a chunk, then multiply it, one after the other (~1.4 us + ~1.9 us per 64-candidate
-chunk on the H200). Here two partitions run side by side on one CTA:
+- the **producer** (4 warps, 128 registers) gathers each 64-candidate chunk with plain 16-byte
+  loads into registers, issued before it waits for a free K stage (slot lookups one chunk ahead),
+  asks L2 for the next chunk's lines, dequantises (hardware e4m3 -> f32, times the tile's
+  2^(byte-127), RoPE merged in registers) and writes the bf16 tile into the stage (full
+  barrier). Holding the *next* chunk's loads in loop-carried registers while dequantising this
+  one spilled heavily; loading both halves of a chunk before dequantising either does not;
+- **warpgroup 0** (the default partition, 216 registers) computes all of ``S = q K^T`` for a
+  chunk (one 64 x 64 x 512 wgmma: q is read from shared memory once), runs the online softmax
+  alone (row maxima within the warpgroup: no exchange), keeps P in registers for its half of
+  ``O += P V`` (V columns 0-255, register-operand wgmma) and hands P and the rescale factors to
+  warpgroup 1 through shared memory (one buffer per K stage);
+- **warpgroup 1** (160 registers) waits for them and computes the other half (columns 256-511);
+- both release the K stage (the empty barrier counts two arrivals), so warpgroup 0 computes S of
+  chunk c+1 while warpgroup 1 still multiplies chunk c, and the producer dequantises chunk c+1
+  meanwhile. At the end warpgroup 0 publishes each row's normalisation factor; each warpgroup
+  writes its half of the output.
 
-- the **producer** (4 warps, few registers) gathers each 64-candidate chunk with plain 16-byte
-  loads straight into registers, two 32-row halves at a time, issued one chunk ahead (the loads
-  of chunk c+1 are in flight while chunk c is dequantised), dequantises (hardware e4m3 -> f32,
-  times the tile's 2^(byte-127), RoPE merged in registers) and writes the bf16 tile into one of
-  two K stages in shared memory, then marks the stage full (mbarrier);
-- the **consumers** (8 warps, the two warpgroups, most registers) wait for a full stage and run
-  ``S = q K^T``, the online softmax and ``O += P K`` exactly as the single-partition kernel
-  (shared helper :func:`dsv4attn.kernels.sparse_attn_sm90._softmax_pv`), then mark the stage
-  empty.
-
-So the dequantisation of chunk c+1 overlaps the MMAs and softmax of chunk c, and the consumers'
-registers hold no gather or dequantisation state. Invalid candidates are never dereferenced
-(masked loads) and get -inf logits from the per-chunk validity vector, as in every kernel of
-the library.
+Invalid candidates are never dereferenced (masked loads; prefetches of invalid candidates ask
+for the cache's first line) and get -inf logits from the per-chunk validity vector, as in every
+kernel of the library.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
-    BLOCK_H, BLOCK_N, FLAT_SMEM, HEAD_DIM, MMA_SMEM, NOPE, O_L, Q_L, S_L, VEC_SMEM, _cta_barrier, _epilogue, _extent,
-    _softmax_pv,
+    BLOCK_H, BLOCK_N, HEAD_DIM, LN2, MMA_SMEM, NOPE, VEC_SMEM, _cta_barrier, _extent,
 )
 
-#: Consumer warps (the default partition: two warpgroups) and the producer partition's warps
-#: and registers per thread (the consumers get what is left of the register file).
-NUM_WARPS = 8
+#: Warps of the default partition (warpgroup 0); warpgroup 1 and the producer run on top, with
+#: these registers per thread (warpgroup 0 gets what is left of the register file: 216).
+NUM_WARPS = 4
+WG1_REGS = gl.constexpr(160)
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(128)
 #: Rows per producer step (half a chunk).
@@ -121,7 +125,7 @@ def _store_half(raw, rope, sc, valid, k_half, valid_half):
 def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                  cache_ptr, stride_blk, block_size, capacity,
                  idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr, PREFETCH: gl.constexpr):
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
     """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
     chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
     are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
@@ -140,9 +144,6 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
     for h in range(0, 2 * n_mine, 2):
-        if (SKIP & 4) != 0:  # profiling: no page loads
-            x0 = x0 * 0 - 1
-            x1 = x1 * 0 - 1
         raw0, rope0, sc0, v0 = _load_half(cache_ptr, x0, _half_rows(h, split, num_splits), start, block_size,
                                           capacity, stride_blk, IS_RANGE)
         raw1, rope1, sc1, v1 = _load_half(cache_ptr, x1, _half_rows(h + 1, split, num_splits), start, block_size,
@@ -162,9 +163,8 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         k_buf = k_bufs.index(st)
         valid_buf = valid_bufs.index(st)
-        if (SKIP & 1) == 0:
-            _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0))
-            _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0))
+        _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0))
+        _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0))
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
         _cta_barrier()  # the partition's stores are done before its one arrive
         mbarrier.arrive(full.index(st))
@@ -181,66 +181,180 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, SKIP: gl.constexpr, PREFETCH: gl.constexpr):
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr):
     it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width, a_len_ptr,
-                      a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE, A_LEN, SKIP, PREFETCH)
+                      a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE, A_LEN, PREFETCH)
     if HAS_B:
         _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width, b_len_ptr,
-                     b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE, B_LEN, SKIP, PREFETCH)
+                     b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE, B_LEN, PREFETCH)
+
+
+HALF_V = gl.constexpr(256)
+S4_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O4_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O4_L, k_width=2))
+Q4_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+ROW_O = gl.constexpr(gl.SliceLayout(1, O4_L))
 
 
 @gluon.jit
-def _consume_set(it, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits,
-                 block_size, width, len_ptr, max_blocks, num_reqs, req_ptr, start_ptr, qk_scale,
-                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, SKIP: gl.constexpr):
-    """Attend this split's chunks of one set as the producer fills them (same order)."""
+def _store_half_o(o, f, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
+                  split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """Write ``o * f`` (rows = heads, 256 columns starting at ``col0``) to the output or the
+    split-KV partial."""
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    d = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, O4_L))
+    h_ok = h < num_heads
+    hc = gl.where(h_ok, h, 0)
+    mask2 = gl.expand_dims(h_ok, 1)
+    res = o * gl.expand_dims(f, 1)
+    if WRITE_PARTIAL:
+        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
+        gl.store(part_o_ptr + gl.expand_dims(part_row * HEAD_DIM, 1) + gl.expand_dims(d, 0), res, mask=mask2)
+    else:
+        optr = out_ptr + t64 * stride_o_t + gl.expand_dims(hc * stride_o_h, 1) + gl.expand_dims(d, 0)
+        if OUT_BF16:
+            gl.store(optr, res.to(gl.bfloat16), mask=mask2)
+        else:
+            gl.store(optr, res, mask=mask2)
+
+
+@gluon.jit
+def _wg0_set(it, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, t, split,
+             num_splits, block_size, width, len_ptr, max_blocks, num_reqs, req_ptr, start_ptr, qk_scale,
+             IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     for c in range(split, gl.cdiv(length, BLOCK_N), num_splits):
         st = it % 2
         mbarrier.wait(full.index(st), (it // 2) & 1)
         k_cur = k_bufs.index(st)
-        if (SKIP & 2) == 0:
-            s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L),
-                              use_acc=False)
-            o, m_i, l_i = _softmax_pv(s, valid_bufs.index(st), o, m_i, l_i, p_smem, mx_smem, k_cur, qk_scale, 0)
-        _cta_barrier()  # both warpgroups' MMAs on stage st are complete (synchronous wgmma)
+        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+                          use_acc=False)
+        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
+        s = gl.where(ok, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.bfloat16)
+        # Hand P and alpha of this chunk to warpgroup 1 (its buffers of stage st are free: the
+        # producer refilled stage st, so warpgroup 1 released it after its last use of them).
+        p_bufs.index(st).store(p16)
+        a_bufs.index(st).store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready.index(st))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        o = warpgroup_mma(gl.convert_layout(p16, P_A), k_cur.slice(0, HALF_V, dim=1), o)
+        _cta_barrier()
         mbarrier.arrive(empty.index(st))
         it += 1
     return it, o, m_i, l_i
 
 
 @gluon.jit
-def _consumer(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h,
-              q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits, qk_scale,
-              a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-              b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, SKIP: gl.constexpr):
-    """Load q (while the producer's first gathers fly), then attend both sets; returns the
-    unnormalised O, the row max (base 2) and the per-element row sums."""
-    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_L))
+def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
+         empty, full, p_ready, fin, t, split, num_splits, qk_scale,
+         out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
+         sink_ptr, split_base, total_splits,
+         a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+         b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+         A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
+         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
+    """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
+    normalisation factors."""
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q4_L))
     for r in gl.static_range(0, BLOCK_H, 16):
-        hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+        hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_L))
         hq_ok = hq < num_heads
         q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                     + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
         q_smem.slice(r, 16, dim=0).store(q.to(gl.bfloat16))
     fence_async_shared()
     _cta_barrier()
-    o = gl.zeros([BLOCK_H, HEAD_DIM], gl.float32, O_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
-    it, o, m_i, l_i = _consume_set(t * 0, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t,
-                                   split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs,
-                                   a_req_ptr, a_start_ptr, qk_scale, A_RANGE, A_LEN, SKIP)
+    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
+    it, o, m_i, l_i = _wg0_set(t * 0, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
+                               t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs,
+                               a_req_ptr, a_start_ptr, qk_scale, A_RANGE, A_LEN)
     if HAS_B:
-        it, o, m_i, l_i = _consume_set(it, o, m_i, l_i, q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t,
-                                       split, num_splits, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs,
-                                       b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN, SKIP)
-    return o, m_i, l_i
+        it, o, m_i, l_i = _wg0_set(it, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full,
+                                   p_ready, t, split, num_splits, b_block_size, b_width, b_len_ptr, b_max_blocks,
+                                   b_num_reqs, b_req_ptr, b_start_ptr, qk_scale, B_RANGE, B_LEN)
+    # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
+    m_o = gl.convert_layout(m_i, ROW_O)
+    l_o = gl.convert_layout(l_i, ROW_O)
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    h_ok = h < num_heads
+    hc = gl.where(h_ok, h, 0)
+    is_empty = l_o == 0.0
+    l_safe = gl.where(is_empty, 1.0, l_o)
+    lse2 = gl.where(is_empty, float("-inf"), m_o + gl.log2(l_safe))
+    f = 1.0 / l_safe
+    if WRITE_PARTIAL:
+        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
+        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
+    else:
+        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
+        f = gl.where(is_empty, 0.0, f)
+        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:
+            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
+    f_smem.store(f)
+    _cta_barrier()
+    mbarrier.arrive(fin.index(0))
+    _store_half_o(o, f, t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
+                  split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    return (m_i,)
+
+
+@gluon.jit
+def _wg1_set(it, o, k_bufs, p_bufs, a_bufs, empty, full, p_ready, t, split, num_splits,
+             block_size, width, len_ptr, max_blocks, num_reqs, req_ptr, start_ptr,
+             IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    for c in range(split, gl.cdiv(length, BLOCK_N), num_splits):
+        st = it % 2
+        ph = (it // 2) & 1
+        mbarrier.wait(full.index(st), ph)
+        mbarrier.wait(p_ready.index(st), ph)
+        alpha = a_bufs.index(st).load(ROW_O)
+        o = o * gl.expand_dims(alpha, 1)
+        o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))
+        it += 1
+    return it, o
+
+
+@gluon.jit
+def _wg1(k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, fin, t64, pid_h, t, split, num_splits, num_heads,
+         out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+         a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+         b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+         A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors."""
+    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+    it, o = _wg1_set(t * 0, o, k_bufs, p_bufs, a_bufs, empty, full, p_ready, t, split, num_splits, a_block_size,
+                     a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE, A_LEN)
+    if HAS_B:
+        it, o = _wg1_set(it, o, k_bufs, p_bufs, a_bufs, empty, full, p_ready, t, split, num_splits, b_block_size,
+                         b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
+    mbarrier.wait(fin.index(0), 0)
+    f = f_smem.load(ROW_O)
+    _store_half_o(o, f, t64, pid_h, split, num_heads, HALF_V, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
+                  split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
 
 
 @gluon.jit
@@ -258,13 +372,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
     num_heads, qk_scale, split_base, total_splits, num_splits,
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
-    A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, SKIP: gl.constexpr = 0,
-    PREFETCH: gl.constexpr = True,
+    A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
 ):
-    """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest; fp8 pages
-    of the 448 + 64 layout in both sets; launched with ``NUM_WARPS`` warps (the producer's run
-    on top). ``SKIP`` (profiling only, 0 in production; results are then wrong): 1 the
-    producer's dequantisation and stores, 2 the consumers' MMAs and softmax, 4 the page loads."""
+    """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
+    single-partition kernel; fp8 pages of the 448 + 64 layout in both sets; launched with
+    ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top. ``PREFETCH``: the producer's
+    L2 prefetch (a tuning switch, on in production)."""
     tiles = gl.cdiv(num_heads, BLOCK_H)
     t = gl.program_id(0) // tiles
     pid_h = gl.program_id(0) % tiles
@@ -273,22 +386,34 @@ def _sparse_mla_attn_sm90_ws_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], MMA_SMEM)
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], MMA_SMEM)
+    a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
+    f_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC_SMEM)
     valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
-    mx_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], FLAT_SMEM)
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
         mbarrier.init(full.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(fin.index(0), count=1)
     fence_async_shared()
 
-    o, m_i, l_i = gl.warp_specialize([
-        (_consumer, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h,
-                     q_smem, k_bufs, p_smem, mx_smem, valid_bufs, empty, full, t, split, num_splits, qk_scale,
-                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, SKIP)),
+    gl.warp_specialize([
+        (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p_bufs, a_bufs, f_smem,
+                valid_bufs, empty, full, p_ready, fin, t, split, num_splits, qk_scale,
+                out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
+                part_lse_ptr, sink_ptr, split_base, total_splits,
+                a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
+        (_wg1, (k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, fin, t64, pid_h, t, split, num_splits,
+                num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+                a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
         (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
                      a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -296,10 +421,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, SKIP, PREFETCH)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-    # Epilogue on the consumers' warps (the producer's are idle outside the specialised region).
-    _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t,
-              max_ptr, stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
-              HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH)),
+    ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

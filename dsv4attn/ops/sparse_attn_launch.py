@@ -60,17 +60,14 @@ class KernelConfig:
     sm90: bool = False
     #: On fp8 pages, run the warp-specialised variant of the sm90 kernel
     #: (:mod:`dsv4attn.kernels.sparse_attn_sm90_ws`: a producer partition gathers and
-    #: dequantises while the two consumer warpgroups multiply); False: the single-partition one.
+    #: dequantises, warpgroup 0 computes S and the softmax, warpgroup 1 the other half of P V);
+    #: False: the single-partition one.
     sm90_ws: bool = True
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
-    #: With ``sm90_ws``: split the consumers into two partitions with separate jobs
-    #: (:mod:`dsv4attn.kernels.sparse_attn_sm90_split`: warpgroup 0 computes S and the softmax
-    #: and hands P to warpgroup 1); False: both warpgroups split every MMA.
-    sm90_split: bool = True
-    #: Profiling only (scripts/attn_variants.py): parts of the sm90 kernel to skip (1 dequant,
-    #: 2 MMAs (ws: MMAs and softmax), 4 page gathers); 0 in every production config.
+    #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
+    #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
 
 
@@ -357,10 +354,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
-        ws = cfg.sm90_ws and a.is_fp8
-        kernel, warps = _sm90_kernel(ws, cfg.sm90_split)
-        extra = dict(SKIP=cfg.sm90_skip)
-        extra.update(dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(PAGES_BF16=not a.is_fp8))
+        ws = cfg.sm90_ws and a.is_fp8 and cfg.sm90_skip == 0
+        kernel, warps = _sm90_kernel(ws)
+        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
@@ -388,13 +384,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 _sm90_failures: list[str] = []
 
 
-def _sm90_kernel(ws: bool, split: bool = False):
-    """The Gluon sm90 kernel (``ws``: its warp-specialised fp8 variant, ``split``: with split
-    consumers) and the warp count it is launched with (imported on first use)."""
-    if ws and split:
-        from dsv4attn.kernels import sparse_attn_sm90_split as s
-
-        return s._sparse_mla_attn_sm90_split_kernel, s.NUM_WARPS
+def _sm90_kernel(ws: bool):
+    """The Gluon sm90 kernel (``ws``: its warp-specialised fp8 variant) and the warp count it
+    is launched with (imported on first use)."""
     if ws:
         from dsv4attn.kernels import sparse_attn_sm90_ws as m
 
