@@ -170,6 +170,9 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
             raise ValueError("DCPPagedAttentionEngine needs an initialized torch.distributed process group")
         if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
             raise ValueError(f"interleave must be a positive int, got {interleave!r}")
+        if kwargs.get("max_cached_prefixes", 0):
+            raise ValueError("max_cached_prefixes: prefix caching is not supported with decode context "
+                             "parallelism yet (use 0)")
         layers = list(layers)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ratios = sorted({la.ratio for la in layers if isinstance(la, DeepseekV4Attention)} - {1})

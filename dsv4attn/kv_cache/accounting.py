@@ -119,16 +119,19 @@ def footprint_table(cfg: CacheConfig, contexts: tuple[int, ...] = (4096, 65536, 
 
 # ---- sizing: memory by need ---------------------------------------------------------------
 def sliding_pool_blocks(group: GroupSpec, max_num_reqs: int, max_num_batched_tokens: int,
-                        rollback_tokens: int = 0) -> int:
+                        rollback_tokens: int = 0, prefix_holds: int = 0) -> int:
     """Blocks a sliding group's own pool needs so it can never run short: every live request
     holds at most ``cdiv(W - 1 + c, bs) + 1`` blocks while ``c`` of its tokens are in flight
     (``sliding_blocks_bound``), and the in-flight tokens of a step sum to at most
     ``max_num_batched_tokens``: ``R * (cdiv(W - 1, bs) + 2) + cdiv(T, bs)``. With
     ``rollback_tokens = k`` (speculative decoding) a request also keeps the columns of its last
-    ``k`` computed tokens' windows: ``W - 1`` becomes ``W - 1 + k``."""
+    ``k`` computed tokens' windows: ``W - 1`` becomes ``W - 1 + k``. ``prefix_holds``: prefix
+    holds kept besides the requests (prefix caching), each at most ``cdiv(W - 1, bs)`` blocks
+    (what a token at a block boundary reads)."""
     assert group.kind == "sliding" and group.window is not None
     bs = group.tokens_per_block
-    return max_num_reqs * (cdiv(group.window - 1 + rollback_tokens, bs) + 2) + cdiv(max_num_batched_tokens, bs)
+    return (max_num_reqs * (cdiv(group.window - 1 + rollback_tokens, bs) + 2) + cdiv(max_num_batched_tokens, bs)
+            + prefix_holds * cdiv(group.window - 1, bs))
 
 
 def main_group(cfg: CacheConfig) -> GroupSpec:
@@ -141,6 +144,7 @@ def main_group(cfg: CacheConfig) -> GroupSpec:
 def plan_num_blocks(
     cfg: CacheConfig, *, max_num_reqs: int, max_num_batched_tokens: int, max_model_len: int,
     num_blocks: int | None = None, memory_bytes: int | None = None, rollback_tokens: int = 0,
+    prefix_holds: int = 0,
 ) -> dict[str, int]:
     """Blocks of every group's own pool (group name -> count), by each group's geometry.
 
@@ -149,12 +153,15 @@ def plan_num_blocks(
     sliding groups, else room for ``max_num_reqs`` requests of ``max_model_len`` tokens. In a
     model of sliding layers only the SWA group takes that role (default: its window bound).
     Raises ``ValueError`` when ``memory_bytes`` is too small.
-    ``rollback_tokens``: the engine's ``num_speculative_tokens`` (see :func:`sliding_pool_blocks`).
+    ``rollback_tokens``: the engine's ``num_speculative_tokens``; ``prefix_holds``: its
+    ``max_cached_prefixes`` (both: see :func:`sliding_pool_blocks`).
     """
     for name, v in (("max_num_reqs", max_num_reqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_model_len", max_model_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if isinstance(prefix_holds, bool) or not isinstance(prefix_holds, int) or prefix_holds < 0:
+        raise ValueError(f"prefix_holds must be an int >= 0, got {prefix_holds!r}")
     if num_blocks is not None and memory_bytes is not None:
         raise ValueError("give num_blocks or memory_bytes, not both")
     main = main_group(cfg)
@@ -162,7 +169,7 @@ def plan_num_blocks(
     fixed = 0
     for g in cache_groups(cfg):
         if g.kind == "sliding" and g.name != main.name:
-            out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens, rollback_tokens)
+            out[g.name] = sliding_pool_blocks(g, max_num_reqs, max_num_batched_tokens, rollback_tokens, prefix_holds)
             fixed += out[g.name] * g.page_bytes_per_block
     if num_blocks is not None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -177,7 +184,7 @@ def plan_num_blocks(
                              f"groups alone take {fixed} B for max_num_reqs={max_num_reqs}; raise memory_bytes "
                              "or lower max_num_reqs / max_num_batched_tokens")
     elif main.kind == "sliding":  # sliding layers only: the window bounds everything
-        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens, rollback_tokens)
+        n = sliding_pool_blocks(main, max_num_reqs, max_num_batched_tokens, rollback_tokens, prefix_holds)
     else:
         n = max_num_reqs * cdiv(max_model_len, main.tokens_per_block)
     out[main.name] = n

@@ -23,14 +23,21 @@ highest ``num_computed - k`` seen (never lowered) or a later :meth:`KVCacheManag
 point; a request can roll back to any length ``>= floor``. With ``k = 0`` the floor is
 ``num_computed`` and nothing changes.
 
+Prefix holds (:meth:`KVCacheManager.hold_prefix`): a request's blocks can be kept by reference
+at a length that is a multiple of every group's tokens per block, and a new request can start
+from such a hold, sharing those blocks (prefix caching). Pools count references per block; a
+block is free again when its last owner (request or hold) gives it back. Shared blocks are never
+written: a request only writes positions at or past its start, which lie in later columns.
+
 Every mutating call either succeeds completely or raises and changes nothing
 (:class:`PoolExhaustedError` when a pool is short; the check covers all groups at once). Pools
-refuse negative counts, ids they did not hand out and a second give-back of the same id.
+refuse negative counts, ids they did not hand out and a give-back of an id already free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+import math
 from itertools import chain
 
 import torch
@@ -56,17 +63,26 @@ class PoolExhaustedError(RuntimeError):
 
 
 class BlockPool:
-    """A free list of block ids ``0 .. num_blocks-1``; tracks which ids are handed out."""
+    """A free list of block ids ``0 .. num_blocks-1`` with a reference count per handed-out id.
+
+    :meth:`take` hands ids out with one reference; :meth:`share` adds one to ids already out
+    (a block read by several owners: a request and the prefix holds that keep its pages);
+    :meth:`give_back` drops one, and an id returns to the free list when its last reference goes.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = _count("num_blocks", num_blocks)
         # Pop from the end: low ids are handed out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._taken: set[int] = set()
+        self._refs: dict[int, int] = {}  # handed-out id -> references
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def refs(self, block: int) -> int:
+        """References to ``block`` (0 when it is free)."""
+        return self._refs.get(block, 0)
 
     def take(self, n: int) -> list[int]:
         """Remove and return ``n`` free ids; raises (changing nothing) if fewer are free."""
@@ -77,23 +93,70 @@ class BlockPool:
             return []
         ids = self._free[-n:][::-1]
         del self._free[-n:]
-        self._taken.update(ids)
+        self._refs.update(dict.fromkeys(ids, 1))
         return ids
 
-    def give_back(self, ids: Sequence[int]) -> None:
-        """Return ids handed out by :meth:`take`. Refuses (changing nothing) ids this pool never
-        handed out, ids already given back and duplicates within ``ids``."""
-        ids = list(ids)
+    def _check_out(self, ids: list[int], verb: str) -> None:
+        """Refuse (changing nothing) ids this pool has not handed out and duplicates in ``ids``."""
         seen: set[int] = set()
         for b in ids:
             if isinstance(b, bool) or not isinstance(b, int):
                 raise TypeError(f"block ids must be ints, got {type(b).__name__}")
-            if b in seen or b not in self._taken:
-                what = "given back twice" if (b in seen or 0 <= b < self.num_blocks) else "not a block id of this pool"
-                raise ValueError(f"block id {b} {what} (pool of {self.num_blocks}); nothing was returned")
+            if b in seen or b not in self._refs:
+                what = ("given twice" if b in seen else "not handed out (free or given back already)"
+                        if 0 <= b < self.num_blocks else "not a block id of this pool")
+                raise ValueError(f"block id {b} {what} (pool of {self.num_blocks}); nothing was {verb}")
             seen.add(b)
-        self._taken.difference_update(ids)
-        self._free.extend(reversed(ids))
+
+    def share(self, ids: Sequence[int]) -> None:
+        """One more reference to each of ``ids`` (all handed out; no duplicates)."""
+        ids = list(ids)
+        self._check_out(ids, "shared")
+        for b in ids:
+            self._refs[b] += 1
+
+    def give_back(self, ids: Sequence[int]) -> None:
+        """Drop one reference to each of ``ids``; an id whose last reference goes is free again.
+        Refuses (changing nothing) ids this pool never handed out, ids already free and
+        duplicates within ``ids``."""
+        ids = list(ids)
+        self._check_out(ids, "returned")
+        freed = []
+        for b in ids:
+            if self._refs[b] == 1:
+                del self._refs[b]
+                freed.append(b)
+            else:
+                self._refs[b] -= 1
+        self._free.extend(reversed(freed))
+
+
+class PrefixHold:
+    """The blocks a request needs to continue from ``num_tokens`` tokens, kept by reference
+    (see :meth:`KVCacheManager.hold_prefix`): every full-group column below ``num_tokens`` and the
+    sliding columns a token at position ``num_tokens`` can read. Opaque to callers: start a
+    request from it with ``add_request(..., prefix=hold)``; give it back with ``release_prefix``."""
+
+    __slots__ = ("_owner", "num_tokens", "_tables", "_live")
+
+    def __init__(self, owner: KVCacheManager, num_tokens: int, tables: dict[str, tuple[int, ...]]) -> None:
+        self._owner, self.num_tokens, self._tables, self._live = owner, num_tokens, tables, True
+
+    @property
+    def released(self) -> bool:
+        return not self._live
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks this hold keeps a reference to (all groups)."""
+        return sum(1 for t in self._tables.values() for b in t if b != NULL_BLOCK)
+
+    def block_ids(self, group: str) -> list[int]:
+        """The hold's table in ``group`` (``NULL_BLOCK`` below the columns it keeps)."""
+        return list(self._tables[group])
+
+    def __repr__(self) -> str:
+        return f"PrefixHold(num_tokens={self.num_tokens}, blocks={self.num_blocks}, released={not self._live})"
 
 
 class KVCacheManager:
@@ -144,6 +207,13 @@ class KVCacheManager:
         self._row: dict[Hashable, int] = {}
         self._free_rows: list[int] = []
         self._rows_used = 0
+        self._holds: dict[int, PrefixHold] = {}  # the live PrefixHolds of this manager, by id()
+
+    @property
+    def prefix_granule(self) -> int:
+        """Lengths a prefix hold may have are multiples of this: every group's tokens per block
+        (then the request that made it writes only blocks past the hold's columns)."""
+        return math.lcm(*(g.tokens_per_block for g in self.groups))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -207,8 +277,13 @@ class KVCacheManager:
         return [("+".join(names), need, p) for names, need, p in by_pool.values() if need > p.num_free]
 
     # ---- mutations ---------------------------------------------------------------------
-    def add_request(self, req_id: Hashable, num_tokens: int = 0) -> None:
-        """Register ``req_id`` and allocate for its first ``num_tokens`` tokens (all or nothing)."""
+    def add_request(self, req_id: Hashable, num_tokens: int = 0, prefix: PrefixHold | None = None) -> None:
+        """Register ``req_id`` and allocate for its first ``num_tokens`` tokens (all or nothing).
+
+        ``prefix``: a :class:`PrefixHold` of this manager; the request starts with
+        ``prefix.num_tokens`` tokens already computed, reading the hold's blocks (shared, never
+        written again: the request writes positions from ``prefix.num_tokens`` on, which lie in
+        later columns). ``num_tokens`` then counts from 0 too and is raised to the prefix length."""
         if req_id is None:
             raise ValueError("request id must not be None")
         try:
@@ -218,16 +293,90 @@ class KVCacheManager:
         if req_id in self._tables:
             raise ValueError(f"request {req_id!r} already exists")
         _count("num_tokens", num_tokens)
-        self._raise_if_short(req_id, self.blocks_needed_by_group(None, num_tokens), num_tokens, "")
-        self._tables[req_id] = {g.name: [] for g in self.groups}
-        self._reclaimed[req_id] = {g.name: 0 for g in self.groups}
-        self._num_tokens[req_id] = 0
-        self._num_computed[req_id] = 0
-        self._floor[req_id] = 0
-        self._cover[req_id] = 0
+        start = 0
+        if prefix is not None:
+            self._check_hold(prefix)
+            start = prefix.num_tokens
+            num_tokens = max(num_tokens, start)
+            need = {g.name: max(0, cdiv(num_tokens, g.tokens_per_block) - len(prefix._tables[g.name]))
+                    for g in self.groups}
+        else:
+            need = self.blocks_needed_by_group(None, num_tokens)
+        self._raise_if_short(req_id, need, num_tokens, "")
+        if prefix is not None:
+            for g in self.groups:
+                self.pools[g.name].share([b for b in prefix._tables[g.name] if b != NULL_BLOCK])
+            self._tables[req_id] = {g.name: list(prefix._tables[g.name]) for g in self.groups}
+            self._reclaimed[req_id] = {g.name: self._first_live_col(g, start) for g in self.groups}
+        else:
+            self._tables[req_id] = {g.name: [] for g in self.groups}
+            self._reclaimed[req_id] = {g.name: 0 for g in self.groups}
+        self._num_tokens[req_id] = start
+        self._num_computed[req_id] = start
+        self._floor[req_id] = start
+        self._cover[req_id] = self._covered_tokens(self._tables[req_id])
         self._reclaim_at[req_id] = self._next_reclaim(req_id)
         self._row[req_id] = self._take_row()
+        for name in self._img:
+            if self._tables[req_id][name]:
+                self._img_write(name, self._row[req_id], 0, self._tables[req_id][name])
         self.grow(req_id, num_tokens)
+
+    # ---- prefix holds --------------------------------------------------------------------
+    def hold_prefix(self, req_id: Hashable, num_tokens: int, written: int | None = None) -> PrefixHold:
+        """Keep (by reference) what a request needs to continue from ``num_tokens`` tokens, so
+        another request can start there (:meth:`add_request` with ``prefix=``) after this one
+        moved on or was freed. ``num_tokens``: a positive multiple of :attr:`prefix_granule`, at
+        most the request's rollback floor (tokens no rollback can take back) and not so far
+        behind that a sliding group already released what position ``num_tokens`` reads.
+        ``written``: tokens whose cache rows are complete when that is more than the computed
+        count (inside a step, after every layer ran: the step's end). Changes nothing on error."""
+        self._check(req_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        gran = self.prefix_granule
+        if num_tokens % gran:
+            raise ValueError(f"num_tokens must be a multiple of the prefix granule {gran} (every group's "
+                             f"tokens per block), got {num_tokens}")
+        computed = self._num_computed[req_id]
+        done = computed if written is None else _count("written", written)
+        if not computed <= done <= self._num_tokens[req_id]:
+            raise ValueError(f"written must be in [{computed}, {self._num_tokens[req_id]}] for {req_id!r}, got {written}")
+        floor = max(self._floor[req_id], done - self.rollback_tokens)
+        if num_tokens > floor:
+            raise ValueError(f"num_tokens {num_tokens} > {floor} for {req_id!r}: only tokens in the caches that "
+                             "no rollback can take back can be held (commit first)")
+        tables = self._tables[req_id]
+        out: dict[str, tuple[int, ...]] = {}
+        for g in self.groups:
+            lo, hi = self._first_live_col(g, num_tokens), num_tokens // g.tokens_per_block
+            if lo < self._reclaimed[req_id][g.name]:
+                raise ValueError(f"num_tokens {num_tokens} is too far behind request {req_id!r}: group {g.name!r} "
+                                 f"already released the blocks position {num_tokens} reads")
+            out[g.name] = (NULL_BLOCK,) * lo + tuple(tables[g.name][lo:hi])
+        for g in self.groups:
+            self.pools[g.name].share([b for b in out[g.name] if b != NULL_BLOCK])
+        hold = PrefixHold(self, num_tokens, out)
+        self._holds[id(hold)] = hold
+        return hold
+
+    def release_prefix(self, hold: PrefixHold) -> int:
+        """Drop a hold's references; returns the blocks that became free."""
+        self._check_hold(hold)
+        before = {id(p): p.num_free for p in self.pools.values()}
+        for g in self.groups:
+            self.pools[g.name].give_back([b for b in hold._tables[g.name] if b != NULL_BLOCK])
+        del self._holds[id(hold)]
+        hold._live = False
+        return sum(p.num_free - before[id(p)] for p in {id(p): p for p in self.pools.values()}.values())
+
+    def _check_hold(self, hold: object) -> None:
+        if not isinstance(hold, PrefixHold):
+            raise TypeError(f"prefix must be a PrefixHold, got {type(hold).__name__}")
+        if hold._owner is not self:
+            raise ValueError("prefix hold belongs to another manager")
+        if not hold._live or self._holds.get(id(hold)) is not hold:
+            raise ValueError("prefix hold was released")
 
     def grow(self, req_id: Hashable, num_tokens: int) -> None:
         """Make every group cover raw positions ``0 .. num_tokens-1`` (sliding groups: only the

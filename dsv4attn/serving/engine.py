@@ -35,7 +35,7 @@ import torch
 
 from dsv4attn.device import resolve_impl
 from dsv4attn.kv_cache.accounting import main_group, plan_num_blocks
-from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError, cdiv
+from dsv4attn.kv_cache.allocator import KVCacheManager, PoolExhaustedError, PrefixHold, cdiv
 from dsv4attn.kv_cache.specs import (
     GROUP_C4_STATE,
     GROUP_C128_STATE,
@@ -123,6 +123,8 @@ class PagedAttentionEngine:
         deterministic: batch-invariant attention: no split-KV chosen from the batch, so a
             request's output bits do not depend on which requests share its steps (default
             False: split-KV from a wave model of the batch, faster at small batches).
+        max_cached_prefixes: prefix holds (:meth:`save_prefix`) the engine keeps at most at once;
+            the window-bounded pools get room for them (0: prefix caching off).
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class PagedAttentionEngine:
         impl: str = "auto",
         num_speculative_tokens: int = 0,
         deterministic: bool = False,
+        max_cached_prefixes: int = 0,
     ) -> None:
         layers = list(layers)
         if not isinstance(deterministic, bool):
@@ -161,6 +164,9 @@ class PagedAttentionEngine:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         self.num_speculative_tokens = k
+        if isinstance(max_cached_prefixes, bool) or not isinstance(max_cached_prefixes, int) or max_cached_prefixes < 0:
+            raise ValueError(f"max_cached_prefixes must be an int >= 0, got {max_cached_prefixes!r}")
+        self.max_cached_prefixes = max_cached_prefixes
         cfg = layers[0].config
         pdev = layers[0].sinks.device
         dev = torch.device(device) if device is not None else pdev
@@ -188,7 +194,8 @@ class PagedAttentionEngine:
         )
         self.num_blocks = plan_num_blocks(
             self.cache_config, max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes, rollback_tokens=k)
+            max_model_len=max_model_len, num_blocks=num_blocks, memory_bytes=memory_bytes, rollback_tokens=k,
+            prefix_holds=max_cached_prefixes)
         self.main_group = main_group(self.cache_config).name
         self.manager = KVCacheManager(cache_groups(self.cache_config), self.num_blocks, rollback_tokens=k)
         self._tokens_per_block = {g.name: g.tokens_per_block for g in self.manager.groups}
@@ -206,6 +213,7 @@ class PagedAttentionEngine:
         self._plan: StepPlan | None = None
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
+        self._holds: list[PrefixHold] = []  # live prefix holds (at most max_cached_prefixes)
 
     def _alloc_caches(self, i: int) -> LayerCaches:
         specs = {s.name: s for s in layer_cache_specs(self.cache_config, i)}
@@ -295,6 +303,76 @@ class PagedAttentionEngine:
         if request_id not in self.manager:
             raise KeyError(f"unknown request {request_id!r}")
         return self.manager.commit(request_id)
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    @property
+    def prefix_granule(self) -> int:
+        """Prefix holds cover a multiple of this many tokens (every cache group's tokens per
+        block: 256 with the default block sizes)."""
+        return self.manager.prefix_granule
+
+    @property
+    def prefix_holds(self) -> list[PrefixHold]:
+        """The live prefix holds, oldest first."""
+        return list(self._holds)
+
+    def save_prefix(self, request_id: Hashable, num_tokens: int) -> PrefixHold:
+        """Keep what ``request_id``'s first ``num_tokens`` tokens left in the caches so that a new
+        request can start there (:meth:`add_request`) without computing them: the compressed and
+        indexer blocks below ``num_tokens`` and the sliding-window and compressor-state blocks a
+        token at position ``num_tokens`` reads, by reference (no copy; the blocks stay out of the
+        pools until the hold and every request reading them are gone).
+
+        Between steps, or inside a step once every layer ran (then ``num_tokens`` may reach the
+        step's end). ``num_tokens`` is a multiple of :attr:`prefix_granule`, not past what is in
+        the caches (nor, with speculative decoding, past the last accepted point), and at most
+        a window behind the request's end (further back the window blocks are gone). Raises
+        (changing nothing) ValueError for these, KeyError for an unknown request, and
+        ValueError when ``max_cached_prefixes`` holds are live (release one first)."""
+        if request_id not in self.manager:
+            raise KeyError(f"unknown request {request_id!r}")
+        written = None
+        plan = self._plan
+        if plan is not None:
+            if len(self._ran) != len(self.layers):
+                raise RuntimeError("save_prefix() inside a step before every layer ran: the step's rows are not "
+                                   "all written yet")
+            if request_id in plan.order:
+                i = plan.order.index(request_id)
+                written = plan.starts[i] + plan.query_lens[i]
+        if len(self._holds) >= self.max_cached_prefixes:
+            raise ValueError(f"{len(self._holds)} prefix holds are live, max_cached_prefixes="
+                             f"{self.max_cached_prefixes}: release one (release_prefix) or raise max_cached_prefixes")
+        hold = self.manager.hold_prefix(request_id, num_tokens, written)
+        self._holds.append(hold)
+        return hold
+
+    def release_prefix(self, hold: PrefixHold) -> int:
+        """Give a prefix hold back; returns the blocks that became free (those no request reads)."""
+        if not isinstance(hold, PrefixHold):
+            raise TypeError(f"hold must be a PrefixHold, got {type(hold).__name__}")
+        if not any(h is hold for h in self._holds):
+            raise ValueError("hold is not a live prefix hold of this engine (released already, or another engine's)")
+        freed = self.manager.release_prefix(hold)
+        self._holds = [h for h in self._holds if h is not hold]
+        return freed
+
+    def add_request(self, request_id: Hashable, prefix: PrefixHold) -> None:
+        """Start ``request_id`` from a prefix hold: it has ``prefix.num_tokens`` tokens in the
+        caches (the hold's, shared) and continues with ``begin_step({request_id: n})`` as a
+        known request. Takes no block. Between steps only; raises (changing nothing) for a
+        known or ``None`` id, a hold that is not live in this engine, or ``max_num_reqs`` live."""
+        if self._plan is not None:
+            raise RuntimeError("add_request() inside a step: call end_step() or abort_step() first")
+        if request_id is None:
+            raise ValueError("request id None is not allowed")
+        if not isinstance(prefix, PrefixHold):
+            raise TypeError(f"prefix must be a PrefixHold, got {type(prefix).__name__}")
+        if not any(h is prefix for h in self._holds):
+            raise ValueError("prefix is not a live prefix hold of this engine (released already, or another engine's)")
+        if len(self.manager.requests) >= self.max_num_reqs:
+            raise ValueError(f"{len(self.manager.requests)} requests are live = max_num_reqs={self.max_num_reqs}")
+        self.manager.add_request(request_id, prefix=prefix)
 
     # ---- one step ----------------------------------------------------------------------------
     def check_step(self, new_tokens: Mapping[Hashable, int]) -> dict[Hashable, int]:

@@ -1,0 +1,310 @@
+"""Prefix caching: a request started from a prefix hold gives the bits of a cold run.
+
+Oracles: (1) a control engine that computes the whole prompt itself, with the same step
+composition after the prefix, so its outputs must be *bit-identical* (the started request reads
+the very bytes the control wrote: same inputs, same kernels, same batch); (2) transformers'
+greedy generate (token for token) for ``generate`` with the cache on; (3) block accounting: every
+pool is full again once requests are freed and holds released. Holds must survive the request
+that made them moving past the window and being freed, and sharing must not change either
+request's later outputs.
+"""
+
+import pytest
+import torch
+
+from dsv4attn.kv_cache.allocator import NULL_BLOCK, BlockPool, KVCacheManager, PrefixHold
+from dsv4attn.kv_cache.specs import CacheConfig, cache_groups
+from dsv4attn.serving.engine import PagedAttentionEngine
+from test_serving_engine import _layers
+
+G = 256  # the prefix granule with the default block sizes (full_mla columns of 256 raw tokens)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return _layers()
+
+
+def _engine(layers, kv="auto", **kw):
+    kw = dict(max_model_len=700, max_num_batched_tokens=300, max_num_reqs=4, impl="reference") | kw
+    return PagedAttentionEngine(layers, kv, **kw)
+
+
+def _step(e, feed, end=True):
+    """One step of ``{request: hidden rows}``; returns every layer's output per request."""
+    plan = e.begin_step({r: len(v) for r, v in feed.items()})
+    h = torch.cat([feed[r] for r in plan.order])
+    outs = [e.run_layer(i, h) for i in range(len(e.layers))]
+    if end:
+        e.end_step()
+    return {r: [o[a:a + n] for o in outs] for r, (a, n) in plan.offsets().items()}
+
+
+def _pools_full(e):
+    return all(p.num_free == p.num_blocks for p in e.manager.pools.values())
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_started_request_equals_a_cold_run_bit_for_bit(layers, kv):
+    torch.manual_seed(1)
+    x, y, z = torch.randn(700, 32), torch.randn(700, 32), torch.randn(700, 32)
+    # control: x's prompt in two steps split at the prefix end, then decodes
+    c = _engine(layers, kv)
+    _step(c, {"x": x[:G]})
+    want = [_step(c, {"x": x[G:300]})["x"]] + [_step(c, {"x": x[t:t + 1]})["x"] for t in range(300, 312)]
+    # a control for "a" alone, to check that sharing does not change the request that made the hold
+    ca = _engine(layers, kv)
+    _step(ca, {"a": x[:G]})
+    want_a = [_step(ca, {"a": y[t:t + 100]})["a"] for t in range(G, 556, 100)]
+
+    e = _engine(layers, kv, max_cached_prefixes=2)
+    _step(e, {"a": x[:G]})
+    hold = e.save_prefix("a", G)
+    assert hold.num_tokens == G and e.prefix_holds == [hold]
+    # "a" moves on past the window (its own window blocks at the prefix end are released by it,
+    # the hold keeps them) while another request fills the freed blocks
+    got_a = []
+    for t in range(G, 556, 100):
+        got_a.append(_step(e, {"a": y[t:t + 100]})["a"])
+        _step(e, {"z": z[t - G:t - G + 100]})
+    assert all(_same(g, w) for g, w in zip(got_a, want_a))
+    e.free("a")
+    e.free("z")
+    e.add_request("b", hold)
+    assert e.seq_len("b") == G
+    got = [_step(e, {"b": x[G:300]})["b"]] + [_step(e, {"b": x[t:t + 1]})["b"] for t in range(300, 312)]
+    assert all(_same(g, w) for g, w in zip(got, want))
+    e.free("b")
+    assert not _pools_full(e)  # the hold still keeps its blocks
+    assert e.release_prefix(hold) == hold.num_blocks
+    assert _pools_full(e) and e.prefix_holds == []
+
+
+def test_started_request_through_the_static_decode_step(layers):
+    """Decodes of a request started from a hold go through the CUDA-graph decode step (run
+    eagerly here: capture=False, the same static tables and kernels) and equal a cold run's."""
+    torch.manual_seed(6)
+    x, y = torch.randn(700, 32), torch.randn(700, 32)
+    runs = []
+    for cached in (False, True):
+        e = _engine(layers, max_cached_prefixes=1, num_blocks=16)
+        e.enable_cuda_graphs(buckets=(1, 2), capture=False)
+        if cached:
+            _step(e, {"a": x[:G]})
+            hold = e.save_prefix("a", G)
+            for t in range(G, G + 20):  # "a" decodes on, then leaves; "b" starts from the hold
+                _step(e, {"a": y[t:t + 1]})
+            e.free("a")
+            e.add_request("b", hold)
+            e.release_prefix(hold)  # "b" keeps what it shares
+        else:
+            _step(e, {"b": x[:G]})  # cold: "b" computes its prefix itself
+        outs = [_step(e, {"b": x[G:270]})["b"]]
+        for t in range(270, 290):
+            plan = e.begin_step({"b": 1})
+            assert plan.bucket == 1  # the static decode step
+            outs.append([e.run_layer(i, x[t:t + 1]) for i in range(3)])
+            e.end_step()
+        runs.append(outs)
+        e.free("b")
+        assert _pools_full(e)
+    assert all(_same(g, w) for g, w in zip(runs[1], runs[0]))
+
+
+def test_two_requests_share_a_hold_while_both_run(layers):
+    torch.manual_seed(2)
+    x, u, v = torch.randn(700, 32), torch.randn(100, 32), torch.randn(100, 32)
+    c = _engine(layers)
+    _step(c, {"x": x[:G]})
+    want_u = _step(c, {"x": u[:40]})["x"]
+    c2 = _engine(layers)
+    _step(c2, {"x": x[:G]})
+    want_v = _step(c2, {"x": v[:70]})["x"]
+    e = _engine(layers, max_cached_prefixes=1)
+    _step(e, {"a": x[:G]})
+    hold = e.save_prefix("a", G)
+    e.free("a")
+    e.add_request("u", hold)
+    e.add_request("v", hold)
+    got = _step(e, {"u": u[:40]})  # separate steps: the same step composition as the controls
+    got |= _step(e, {"v": v[:70]})
+    assert _same(got["u"], want_u) and _same(got["v"], want_v)
+    full = e.manager.block_ids("u", "full_mla")[0]
+    assert full == e.manager.block_ids("v", "full_mla")[0] == hold.block_ids("full_mla")[0]
+    assert e.manager.pools["full_mla"].refs(full) == 3  # the hold and both requests
+    for r in ("u", "v"):
+        e.free(r)
+    e.release_prefix(hold)
+    assert _pools_full(e)
+
+
+def test_hold_saved_inside_a_step_at_a_boundary_it_passed(layers):
+    """A hold taken inside a step (after every layer ran) at a boundary inside the step's chunk
+    serves a request that continues from there; the control computed the prefix in a chunk of
+    another length, so values may differ by summation order only."""
+    torch.manual_seed(3)
+    x = torch.randn(700, 32)
+    c = _engine(layers)
+    _step(c, {"x": x[:G]})
+    want = _step(c, {"x": x[G:290]})["x"]
+    e = _engine(layers, max_cached_prefixes=1)
+    _step(e, {"a": x[:280]}, end=False)
+    hold = e.save_prefix("a", G)
+    e.end_step()
+    e.free("a")
+    e.add_request("b", hold)
+    got = _step(e, {"b": x[G:290]})["b"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _snapshot(e):
+    return (e.requests, [e.seq_len(r) for r in e.requests], {g: p.num_free for g, p in e.manager.pools.items()},
+            list(e.prefix_holds), e.in_step)
+
+
+def test_bad_prefix_calls_change_nothing(layers):
+    torch.manual_seed(4)
+    x = torch.randn(700, 32)
+    e = _engine(layers, max_cached_prefixes=1)
+    other = _engine(layers, max_cached_prefixes=1)
+    _step(other, {"o": x[:G]})
+    foreign = other.save_prefix("o", G)
+    _step(e, {"a": x[:G]})
+    before = _snapshot(e)
+    for call, err, match in [
+        (lambda: e.save_prefix("a", 100), ValueError, "multiple of the prefix granule 256"),
+        (lambda: e.save_prefix("a", 512), ValueError, "only tokens in the caches"),
+        (lambda: e.save_prefix("a", 0), ValueError, "positive"),
+        (lambda: e.save_prefix("a", True), ValueError, "positive"),
+        (lambda: e.save_prefix("nope", G), KeyError, "unknown request"),
+        (lambda: e.add_request("b", foreign), ValueError, "not a live prefix hold of this engine"),
+        (lambda: e.add_request("b", "hold"), TypeError, "PrefixHold"),
+        (lambda: e.release_prefix(foreign), ValueError, "not a live prefix hold"),
+    ]:
+        with pytest.raises(err, match=match):
+            call()
+        assert _snapshot(e) == before
+    hold = e.save_prefix("a", G)
+    before = _snapshot(e)
+    for call, err, match in [
+        (lambda: e.save_prefix("a", G), ValueError, "max_cached_prefixes=1"),
+        (lambda: e.add_request("a", hold), ValueError, "already exists"),
+        (lambda: e.add_request(None, hold), ValueError, "None"),
+    ]:
+        with pytest.raises(err, match=match):
+            call()
+        assert _snapshot(e) == before
+    e.begin_step({"a": 2})
+    before = _snapshot(e)
+    for call, err in [(lambda: e.save_prefix("a", G), RuntimeError), (lambda: e.add_request("b", hold), RuntimeError)]:
+        with pytest.raises(err):
+            call()
+        assert _snapshot(e) == before
+    e.abort_step()
+    e.release_prefix(hold)
+    with pytest.raises(ValueError, match="not a live prefix hold"):
+        e.add_request("b", hold)
+    with pytest.raises(ValueError, match="not a live prefix hold"):
+        e.release_prefix(hold)
+    # too far behind: "a" moved on and released what position 256 reads in its window groups
+    _step(e, {"a": x[G:300]})
+    with pytest.raises(ValueError, match="too far behind"):
+        e.save_prefix("a", G)
+    e.free("a")
+    assert _pools_full(e)
+
+
+def test_holds_need_accepted_tokens_under_speculative_decoding(layers):
+    torch.manual_seed(5)
+    x = torch.randn(700, 32)
+    e = _engine(layers, num_speculative_tokens=2, max_cached_prefixes=1)
+    _step(e, {"a": x[:G]})
+    with pytest.raises(ValueError, match="commit first"):
+        e.save_prefix("a", G)
+    e.commit("a")
+    hold = e.save_prefix("a", G)
+    _step(e, {"a": x[G:G + 3]})
+    e.rollback("a", 2)  # rolling back past-the-prefix tokens leaves the hold alone
+    e.free("a")
+    e.add_request("b", hold)
+    with pytest.raises(ValueError):
+        e.rollback("b", 1)  # a started request cannot roll back into the prefix
+    e.free("b")
+    e.release_prefix(hold)
+    assert _pools_full(e)
+
+
+def test_block_pool_reference_counts():
+    p = BlockPool(4)
+    a, b = p.take(2)
+    p.share([a])
+    assert p.refs(a) == 2 and p.refs(b) == 1 and p.num_free == 2
+    p.give_back([a, b])
+    assert p.refs(a) == 1 and p.refs(b) == 0 and p.num_free == 3
+    for ids, match in [([b], "not handed out"), ([a, a], "given twice"), ([9], "not a block id")]:
+        with pytest.raises(ValueError, match=match):
+            p.give_back(ids)
+        with pytest.raises(ValueError, match=match):
+            p.share(ids)
+        assert p.refs(a) == 1 and p.num_free == 3
+    p.give_back([a])
+    assert p.num_free == 4
+
+
+def test_manager_hold_columns_and_window_sizing():
+    """A hold keeps every full column below its end and exactly the window columns a token at its
+    end reads (``cdiv(W - 1, bs)``, what the sizing adds per hold); the started request's next
+    columns are new blocks."""
+    cfg = CacheConfig(compress_ratios=(1, 4, 128), head_dim=80, rope_dim=16, index_head_dim=32, sliding_window=128)
+    groups = cache_groups(cfg)
+    m = KVCacheManager(groups, {g.name: 300 for g in groups})
+    m.add_request("a", 2 * G)
+    m.advance("a", 2 * G)
+    hold = m.hold_prefix("a", 2 * G)
+    assert isinstance(hold, PrefixHold)
+    for g in groups:
+        kept = [b for b in hold.block_ids(g.name) if b != NULL_BLOCK]
+        want = 2 * G // g.tokens_per_block if g.kind == "full" else -(-(g.window - 1) // g.tokens_per_block)
+        assert len(kept) == want, g.name
+        assert kept == m.block_ids("a", g.name)[2 * G // g.tokens_per_block - want:2 * G // g.tokens_per_block]
+    m.free("a")
+    m.add_request("b", 2 * G + 5, prefix=hold)
+    assert m.num_computed("b") == 2 * G
+    for g in groups:
+        table = m.block_ids("b", g.name)
+        col = 2 * G // g.tokens_per_block
+        assert table[:col] == hold.block_ids(g.name)
+        assert not set(table[col:]) & set(hold.block_ids(g.name))
+
+
+def test_window_pools_sized_for_the_holds_never_run_short(layers):
+    """Window-bounded pools are sized for max_num_reqs requests plus max_cached_prefixes holds:
+    with every hold taken (from requests that then move on) and every slot busy with full steps,
+    no window-bounded pool runs short."""
+    torch.manual_seed(7)
+    x = torch.randn(700, 32)
+    e = _engine(layers, max_num_reqs=2, max_cached_prefixes=3, num_blocks=32, max_num_batched_tokens=512,
+                max_model_len=1000)
+    _step(e, {"a": x[:G], "c": x[:G]}, end=False)
+    holds = [e.save_prefix("a", G), e.save_prefix("c", G)]
+    e.end_step()
+    _step(e, {"a": x[G:2 * G]}, end=False)
+    holds.append(e.save_prefix("a", 2 * G))
+    e.end_step()
+    for n in (100, 156, 60):  # both slots busy, past the windows of every hold
+        _step(e, {"a": x[:n], "c": x[:256 - n]})
+    sliding = [g.name for g in e.manager.groups if g.kind == "sliding"]
+    assert min(e.manager.pools[g].num_free for g in sliding) >= 0
+    for r in ("a", "c"):
+        e.free(r)
+    e.add_request("d", holds[2])
+    _step(e, {"d": x[:100]})
+    e.free("d")
+    for h in holds:
+        e.release_prefix(h)
+    assert _pools_full(e)
