@@ -282,6 +282,64 @@ def test_manager_hold_columns_and_window_sizing():
         assert not set(table[col:]) & set(hold.block_ids(g.name))
 
 
+# ---- generate with the prefix cache, against transformers ------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from dsv4attn.serving.cli import random_prompts
+    from dsv4attn.serving.model import reference_generate
+    from dsv4attn.serving.tiny import tiny_hf_model
+
+    model = tiny_hf_model(0)
+    shared = random_prompts(1, 256, 7, [530])[0]
+    tails = random_prompts(4, 256, 8, [9, 30, 3, 1])
+    other = random_prompts(1, 256, 9, [300])[0]
+    prompts = [shared[:300] + tails[0],  # holds at 256 (prompt) ...
+               shared[:270] + tails[1],  # ... hit at 256
+               shared + tails[2],  # hit at 256, then holds at 512
+               shared[:520] + tails[3],  # hit at 512
+               other,  # no hit
+               shared[:250]]  # no hit (shorter than a granule); its decode passes 256
+    return model, prompts, reference_generate(model, prompts, 8), reference_generate
+
+
+def test_generate_with_prefix_cache_equals_transformers(tiny):
+    from dsv4attn.serving.model import PagedDeepseekV4
+
+    model, prompts, want, reference_generate = tiny
+    pm = PagedDeepseekV4(model, max_model_len=600, max_num_batched_tokens=256, max_num_reqs=1, num_blocks=16,
+                         impl="reference", max_cached_prefixes=8)
+    assert pm.generate(prompts, 8) == want
+    st = pm.prefix_cache.stats
+    assert (st.hits, st.hit_tokens) == (3, 256 + 256 + 512)
+    assert len(pm.prefix_cache) == st.saved - st.evicted > 0
+    # a second call: every prompt longer than a granule starts from a hold, the outputs stay
+    assert pm.generate(prompts, 8) == want
+    assert pm.prefix_cache.stats.hits == 3 + 5
+    # a follow-up turn: the short prompt plus its answer passed 256 while decoding
+    turn = prompts[5] + want[5] + [17, 18]
+    assert pm.generate([turn], 4) == reference_generate(model, [turn], 4)
+    assert pm.prefix_cache.stats.hits == 3 + 5 + 1
+    pm.prefix_cache.clear()
+    assert all(p.num_free == p.num_blocks for p in pm.engine.manager.pools.values())
+
+
+def test_generate_gives_holds_back_when_the_context_pool_is_short(tiny):
+    """Two context blocks per request and room for two requests: holds of finished requests
+    must be given back (least recently used first) for new requests to join; outputs unchanged."""
+    from dsv4attn.serving.model import PagedDeepseekV4
+
+    model, prompts, want, _ = tiny
+    pm = PagedDeepseekV4(model, max_model_len=600, max_num_batched_tokens=256, max_num_reqs=2, num_blocks=5,
+                         impl="reference", max_cached_prefixes=4)
+    assert pm.generate(prompts, 8) == want
+    st = pm.prefix_cache.stats
+    assert st.evicted > 0 and st.hits > 0
+    pm.prefix_cache.clear()
+    assert all(p.num_free == p.num_blocks for p in pm.engine.manager.pools.values())
+
+
 def test_window_pools_sized_for_the_holds_never_run_short(layers):
     """Window-bounded pools are sized for max_num_reqs requests plus max_cached_prefixes holds:
     with every hold taken (from requests that then move on) and every slot busy with full steps,

@@ -35,6 +35,18 @@ def test_tiny_check_passes_and_prints_json(capsys, tmp_path):
     assert outs == reference_generate(tiny_hf_model(1), prompts, 5)
 
 
+def test_prefix_cache_flag_reuses_a_shared_prompt_and_still_passes(capsys, tmp_path):
+    shared = [(7 * i) % 256 for i in range(280)]
+    prompts = [shared + [1, 2], shared[:260] + [3], shared + [4, 5, 6]]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(prompts))
+    rc = cli.main(["generate", "--tiny", "1", "--prompts", str(f), "--max-new-tokens", "3", "--check",
+                   "--no-progress", "--device", "cpu", "--max-num-reqs", "1", "--max-cached-prefixes", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS" in out
+    assert "prefix cache: 2 of 3 prompts started from a cached prefix, 512 prompt tokens not computed" in out
+
+
 def test_mismatch_fails_with_nonzero_exit(capsys, monkeypatch):
     from dsv4attn.serving import model as model_mod
 

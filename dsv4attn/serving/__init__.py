@@ -10,6 +10,9 @@
 - Speculative decoding: :class:`Drafter` / :class:`NgramDrafter` (``drafter``), the
   draft-and-verify batcher :class:`SpeculativeBatcher` and its :class:`SpecStats` (``spec``);
   ``generate(..., num_speculative_tokens=k)`` uses them; ``engine.rollback`` / ``commit``.
+- Prefix caching: :class:`PrefixCache` / :class:`PrefixCacheStats` (``prefix_cache``) over the
+  engine's ``save_prefix`` / ``add_request(request, prefix)`` / ``release_prefix``;
+  ``PagedDeepseekV4(..., max_cached_prefixes=N)`` turns it on for ``generate``.
 - ``cli`` / ``layer_demo`` / ``metadata_demo``: the jobs behind ``python -m dsv4attn`` (``generate``,
   ``layer-demo``, ``metadata-demo``); ``scheduler``, ``graphs``, ``tiny``: see their docstrings.
 """
@@ -18,6 +21,7 @@ from dsv4attn.serving.drafter import Drafter, NgramDrafter
 from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
 from dsv4attn.serving.paged import LayerCaches, layer_step
+from dsv4attn.serving.prefix_cache import PrefixCache, PrefixCacheStats
 from dsv4attn.serving.runner import AttentionRunner
 from dsv4attn.serving.spec import SpecStats, SpeculativeBatcher
 
@@ -28,6 +32,8 @@ __all__ = [
     "NgramDrafter",
     "PagedAttentionEngine",
     "PagedDeepseekV4",
+    "PrefixCache",
+    "PrefixCacheStats",
     "SpecStats",
     "SpeculativeBatcher",
     "StepPlan",

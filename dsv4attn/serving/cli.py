@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: verify up to K prompt-lookup drafts per request and step (0..7; "
                         "same greedy output; prints the acceptance rate)")
+    g.add_argument("--max-cached-prefixes", type=int, default=0, metavar="N",
+                   help="prefix caching: keep up to N prompt prefixes (multiples of 256 tokens) in the caches for "
+                        "later prompts that start with them (default 0: off; prints hits)")
     g.add_argument("--check", action="store_true", help="compare with transformers; exit 1 on mismatch")
     g.add_argument("--json", action="store_true", help="last stdout line: JSON list of generated token lists")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -217,7 +220,8 @@ def _generate(args, ctx) -> int:
     max_len = args.max_model_len or max(len(p) for p in prompts) + n_new
     pm = paged_model(model, ctx, kv_cache_dtype=kv, max_model_len=max_len, device=device,
                      max_num_batched_tokens=args.token_budget, max_num_reqs=args.max_num_reqs,
-                     num_speculative_tokens=args.num_speculative_tokens)
+                     num_speculative_tokens=args.num_speculative_tokens,
+                     max_cached_prefixes=args.max_cached_prefixes)
     par = f", {ctx.world_size} processes (tp {ctx.config.tp} x dcp {ctx.config.dcp})" if ctx.world_size > 1 else ""
     print(f"model: {name}, {len(pm.layers)} layers {[layer.kind for layer in pm.layers]}, {dtype}, "
           f"kv cache {kv}, device {device}{par}")
@@ -238,6 +242,11 @@ def _generate(args, ctx) -> int:
     print(f"generated {gen} tokens in {dt:.2f} s: {gen / dt:.1f} new tokens/s, {total / dt:.1f} tokens/s processed")
     if spec_stats is not None:
         print(spec_stats.summary())
+    cache = getattr(pm, "prefix_cache", None)
+    if cache is not None:
+        st = cache.stats
+        print(f"prefix cache: {st.hits} of {st.lookups} prompts started from a cached prefix, {st.hit_tokens} prompt "
+              f"tokens not computed; {len(cache)} prefixes held ({st.saved} saved, {st.evicted} given back)")
     ok = True
     if args.check:
         refs = None

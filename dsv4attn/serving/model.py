@@ -30,7 +30,9 @@ from torch import nn
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.layers.rope import RotaryTable
+from dsv4attn.kv_cache.allocator import PrefixHold
 from dsv4attn.serving.engine import PAGED_RATIOS, PagedAttentionEngine, StepPlan
+from dsv4attn.serving.prefix_cache import PrefixCache
 
 
 class _PagedSelfAttention(nn.Module):
@@ -67,6 +69,11 @@ class PagedDeepseekV4:
             rollback headroom of the caches (see :class:`PagedAttentionEngine`).
         deterministic: batch-invariant attention (no split-KV chosen from the batch size; see
             ``sparse_mla_attention``); default False: split-KV from a wave model of the batch.
+        max_cached_prefixes: prefix caching: ``generate`` keeps up to this many token prefixes
+            (multiples of ``engine.prefix_granule`` tokens) in the caches, by reference, and a
+            prompt that starts with one computes only the rest (:attr:`prefix_cache`, kept across
+            ``generate`` calls; 0: off). Costs only window-bounded blocks (sized for it) and
+            context blocks no running request needs (given back least recently used first).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class PagedDeepseekV4:
         max_num_reqs: int = 16,
         num_speculative_tokens: int = 0,
         deterministic: bool = False,
+        max_cached_prefixes: int = 0,
     ) -> None:
         model, hf_layers = _hf_parts(hf_model)
         config: Any = hf_model.config  # a transformers DeepseekV4Config
@@ -110,11 +118,12 @@ class PagedDeepseekV4:
             layers, kv_cache_dtype, num_blocks=num_blocks, memory_bytes=memory_bytes, device=dev,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             max_num_reqs=max_num_reqs, impl=impl, num_speculative_tokens=num_speculative_tokens,
-            deterministic=deterministic)
+            deterministic=deterministic, max_cached_prefixes=max_cached_prefixes)
         self.device, self.dtype = self.engine.device, dtype
         self.max_model_len = max_model_len
         self._adapters = [_PagedSelfAttention(self.engine, i) for i in range(len(layers))]
         self._ids: torch.Tensor | None = None
+        self.prefix_cache = PrefixCache(self.engine) if max_cached_prefixes else None
 
     def _make_engine(self, layers: list[DeepseekV4Attention], *args, **kwargs) -> PagedAttentionEngine:
         """The attention engine over ``layers`` (``dsv4attn.distributed.model`` overrides it)."""
@@ -194,6 +203,16 @@ class PagedDeepseekV4:
         """Forget a request and release its cache blocks."""
         self.engine.free(request)
 
+    def save_prefix(self, request: Hashable, num_tokens: int) -> PrefixHold:
+        """Hold ``request``'s first ``num_tokens`` tokens in the caches for other requests to start
+        from (see :meth:`PagedAttentionEngine.save_prefix`)."""
+        return self.engine.save_prefix(request, num_tokens)
+
+    def add_request(self, request: Hashable, prefix: PrefixHold) -> None:
+        """Start ``request`` from a prefix hold; its next ``begin_step`` feeds the tokens after
+        the prefix (see :meth:`PagedAttentionEngine.add_request`)."""
+        self.engine.add_request(request, prefix)
+
     @property
     def requests(self) -> list[Hashable]:
         return self.engine.requests
@@ -241,6 +260,11 @@ class PagedDeepseekV4:
         :class:`dsv4attn.serving.drafter.NgramDrafter`) and rolls rejected ones back; greedy
         output is the same as with k = 0. ``return_stats``: return ``(outputs, SpecStats)``
         (acceptance rate, tokens/s; also logged).
+
+        With ``max_cached_prefixes > 0``, plain greedy generation (no drafts, no ``return_stats``)
+        starts prompts from the longest prefix an earlier request left (in this call or an
+        earlier one) and computes only the rest; :attr:`prefix_cache` ``.stats`` counts the hits.
+        Outputs are the same either way; the draft-and-verify path does not use the cache yet.
         """
         if num_speculative_tokens or drafter is not None or return_stats:
             from dsv4attn.serving.spec import SpeculativeBatcher

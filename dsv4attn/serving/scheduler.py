@@ -6,6 +6,13 @@ running requests still prefilling, then for waiting requests that may join. A re
 when a live slot is free and the context-sized cache group can hold its whole final length on
 top of what the running requests reserved (so a running request never runs out of blocks and
 nothing is ever preempted); it leaves (blocks freed) as soon as it has its tokens.
+
+With the model's prefix cache on (``PagedDeepseekV4(max_cached_prefixes=N)``): a joining request
+whose prompt starts with a cached prefix starts from its hold and feeds only the rest; prompt
+chunks end at multiples of the prefix granule where they can, and every granule boundary a step
+passes is saved (:mod:`dsv4attn.serving.prefix_cache`). Admission then counts real free blocks:
+the running requests' remaining reservations plus the newcomer's (less the columns it shares)
+must fit in the free blocks, after giving least recently used holds back if needed.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class ContinuousBatcher:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.model, self.engine, self.budget, self.chunk = model, eng, budget, chunk
+        self.cache = getattr(model, "prefix_cache", None)  # a PrefixCache, or None (off)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return self.engine.blocks_to_reserve(num_tokens)
@@ -82,23 +90,83 @@ class ContinuousBatcher:
         prefilling first, then waiting requests that may join (a free slot and room for their
         reservation). Returns the budget and reservation left."""
         eng = self.engine
-        capacity = eng.num_blocks[eng.main_group]
         for r in running:
             if r.fed < len(r.prompt) and budget > 0:
-                n = min(self.chunk, budget, len(r.prompt) - r.fed)
+                n = self._chunk(r, budget)
                 tokens[r.rid] = r.prompt[r.fed:r.fed + n]
                 budget -= n
-        while waiting and budget > 0 and len(running) < eng.max_num_reqs \
-                and reserved + waiting[0].reserve <= capacity:
-            r = waiting.pop(0)
+        while waiting and budget > 0 and len(running) < eng.max_num_reqs:
+            r = waiting[0]
+            hit, hold = self._lookup(r)
+            if not self._fits(r, running, reserved, hit, hold):
+                break
+            waiting.pop(0)
             running.append(r)
             reserved += r.reserve
-            n = min(self.chunk, budget, len(r.prompt))
-            tokens[r.rid] = r.prompt[:n]
+            if hold is not None:
+                assert self.cache is not None
+                self.model.add_request(("generate", r.rid), hold)
+                self.cache.use(hold, hit)
+                r.fed = hit
+            n = self._chunk(r, budget)
+            tokens[r.rid] = r.prompt[r.fed:r.fed + n]
             budget -= n
         if not tokens:
             raise RuntimeError("no request could be scheduled (token budget or cache too small)")
         return budget, reserved
+
+    def _chunk(self, r: _Request, budget: int) -> int:
+        """Prompt tokens ``r`` feeds next: at most ``chunk_size`` and the budget; with the prefix
+        cache on, cut back to a granule boundary when the chunk passes one short of the prompt's end."""
+        n = min(self.chunk, budget, len(r.prompt) - r.fed)
+        end = r.fed + n
+        if self.cache is not None and end < len(r.prompt):
+            g = self.cache.granule
+            if end // g * g > r.fed:
+                n = end // g * g - r.fed
+        return n
+
+    def _lookup(self, r: _Request):
+        """``(tokens, hold)`` of the longest cached prefix of ``r``'s prompt short of its last token."""
+        if self.cache is None:
+            return 0, None
+        self.cache.stats.lookups += 1
+        return self.cache.lookup(r.prompt, len(r.prompt) - 1)
+
+    def _fits(self, r: _Request, running: list[_Request], reserved: int, hit: int, hold) -> bool:
+        """Whether ``r`` may join: without the prefix cache, its reservation on top of the running
+        ones fits the context-sized pool; with it, the blocks every running request may still take
+        plus ``r``'s (less the columns it shares) fit the free blocks, after giving least recently
+        used holds back (never ``hold``, the one ``r`` would start from)."""
+        eng = self.engine
+        if self.cache is None:
+            return reserved + r.reserve <= eng.num_blocks[eng.main_group]
+        pending = 0
+        for q in running:
+            rid = ("generate", q.rid)
+            have = len(eng.manager.block_ids(rid, eng.main_group)) if rid in eng.manager else 0
+            pending += max(0, q.reserve - have)
+        need = pending + max(0, r.reserve - eng.blocks_to_reserve(hit))
+        while need > eng.num_free_blocks() and self.cache.evict_one(keep=hold):
+            pass
+        return need <= eng.num_free_blocks()
+
+    def _save_prefixes(self, plan, tokens: dict, running: list[_Request]) -> None:
+        """Inside a step after every layer ran: hold every granule boundary the step's tokens
+        reached (the requests' fed tokens so far, prompt then outputs)."""
+        if self.cache is None:
+            return
+        g = self.cache.granule
+        for r in running:
+            if r.rid not in tokens:
+                continue
+            start, end = r.fed, r.fed + len(tokens[r.rid])
+            first = (start // g + 1) * g
+            if first > end:
+                continue
+            seq = r.prompt + r.out
+            for h in range(first, end + 1, g):
+                self.cache.save(("generate", r.rid), seq, h)
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -115,7 +183,14 @@ class ContinuousBatcher:
                     tokens[r.rid] = [r.out[-1]]
                     budget -= 1
             budget, reserved = self._fill_prefills(running, waiting, tokens, budget, reserved)
-            logits = self.model.step({("generate", rid): t for rid, t in tokens.items()})
+            if self.cache is None:
+                logits = self.model.step({("generate", rid): t for rid, t in tokens.items()})
+            else:
+                plan = self.model.begin_step({("generate", rid): t for rid, t in tokens.items()})
+                out = self.model.forward_step()
+                self._save_prefixes(plan, tokens, running)
+                self.model.end_step()
+                logits = {rid: out[i] for i, rid in enumerate(plan.order)}
             done = []
             for r in running:
                 if r.rid not in tokens:

@@ -82,7 +82,8 @@ class SpeculativeBatcher(ContinuousBatcher):
 
     ``num_speculative_tokens``: drafts per request and step (0 .. the model's
     ``num_speculative_tokens``); ``drafter``: default :class:`NgramDrafter`. After ``run``,
-    ``stats`` holds a :class:`SpecStats`.
+    ``stats`` holds a :class:`SpecStats`. The model's prefix cache is not used here: every
+    prompt is computed (outputs are the same either way).
     """
 
     def __init__(self, model, num_speculative_tokens: int, drafter: Drafter | None = None,
@@ -97,6 +98,7 @@ class SpeculativeBatcher(ContinuousBatcher):
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a dsv4attn.serving.drafter.Drafter, got {type(drafter).__name__}")
         super().__init__(model, token_budget, chunk_size)
+        self.cache = None  # draft-and-verify generation neither saves nor uses prefix holds (yet)
         self.k = k
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.stats = SpecStats(k)
