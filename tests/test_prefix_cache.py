@@ -366,3 +366,41 @@ def test_window_pools_sized_for_the_holds_never_run_short(layers):
     for h in holds:
         e.release_prefix(h)
     assert _pools_full(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_started_request_replays_captured_graphs_like_a_cold_run(kv):
+    """On the GPU (bf16, Triton kernels, decode steps replayed from CUDA graphs captured before
+    any request existed): a request started from a hold gives the bits of a cold run."""
+    from dsv4attn.serving.tiny import tiny_attention_layers
+
+    layers = tiny_attention_layers(11)
+    hs = layers[0].config.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, y = (torch.randn(700, hs, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runs = []
+    for cached in (False, True):
+        e = PagedAttentionEngine(layers, kv, max_model_len=700, max_num_reqs=4, max_num_batched_tokens=300,
+                                 num_blocks=16, max_cached_prefixes=1)
+        e.enable_cuda_graphs(buckets=(1, 2))
+        if cached:
+            _step(e, {"a": x[:G]})
+            hold = e.save_prefix("a", G)
+            for t in range(G, G + 150):  # "a" decodes on (replays), then leaves
+                _step(e, {"a": y[t:t + 1]})
+            e.free("a")
+            e.add_request("b", hold)
+            e.release_prefix(hold)
+        else:
+            _step(e, {"b": x[:G]})
+        outs = [_step(e, {"b": x[G:270]})["b"]]
+        for t in range(270, 400):  # through SWA-block, compression and 128 boundaries
+            plan = e.begin_step({"b": 1})
+            assert plan.bucket == 1
+            outs.append([e.run_layer(i, x[t:t + 1]) for i in range(len(layers))])
+            e.end_step()
+        runs.append(outs)
+        e.free("b")
+        assert _pools_full(e)
+    assert all(_same(g, w) for g, w in zip(runs[1], runs[0]))
