@@ -219,21 +219,30 @@ def test_bad_prefix_calls_change_nothing(layers):
     assert _pools_full(e)
 
 
-def test_holds_need_accepted_tokens_under_speculative_decoding(layers):
+def test_holds_accept_their_tokens_under_speculative_decoding(layers):
+    """Inside a step a hold may not reach the step's last k tokens (unverified drafts); between
+    steps holding accepts the held tokens: no rollback below them afterwards."""
     torch.manual_seed(5)
     x = torch.randn(700, 32)
-    e = _engine(layers, num_speculative_tokens=2, max_cached_prefixes=1)
-    _step(e, {"a": x[:G]})
-    with pytest.raises(ValueError, match="commit first"):
+    e = _engine(layers, num_speculative_tokens=2, max_cached_prefixes=2)
+    _step(e, {"a": x[:G]}, end=False)
+    with pytest.raises(ValueError, match="rollback could take back"):
         e.save_prefix("a", G)
-    e.commit("a")
+    e.end_step()
+    assert e.rollback_limit("a") == 2
     hold = e.save_prefix("a", G)
+    assert e.rollback_limit("a") == 0
     _step(e, {"a": x[G:G + 3]})
-    e.rollback("a", 2)  # rolling back past-the-prefix tokens leaves the hold alone
+    e.rollback("a", 2)  # tokens past the hold can still be taken back
+    with pytest.raises(ValueError):
+        e.rollback("a", 2)
+    _step(e, {"a": x[G + 1:2 * G + 2]}, end=False)
+    hold2 = e.save_prefix("a", 2 * G)  # in step: 512 <= 514 - 2
+    e.abort_step()  # ... and gone with the aborted step
+    assert hold2.released and e.prefix_holds == [hold]
     e.free("a")
     e.add_request("b", hold)
-    with pytest.raises(ValueError):
-        e.rollback("b", 1)  # a started request cannot roll back into the prefix
+    assert e.rollback_limit("b") == 0
     e.free("b")
     e.release_prefix(hold)
     assert _pools_full(e)
@@ -312,7 +321,7 @@ def test_generate_with_prefix_cache_equals_transformers(tiny):
                          impl="reference", max_cached_prefixes=8)
     assert pm.generate(prompts, 8) == want
     st = pm.prefix_cache.stats
-    assert (st.hits, st.hit_tokens) == (3, 256 + 256 + 512)
+    assert (st.hits, st.hit_tokens, st.refused) == (3, 256 + 256 + 512, 0)
     assert len(pm.prefix_cache) == st.saved - st.evicted > 0
     # a second call: every prompt longer than a granule starts from a hold, the outputs stay
     assert pm.generate(prompts, 8) == want
@@ -323,6 +332,21 @@ def test_generate_with_prefix_cache_equals_transformers(tiny):
     assert pm.prefix_cache.stats.hits == 3 + 5 + 1
     pm.prefix_cache.clear()
     assert all(p.num_free == p.num_blocks for p in pm.engine.manager.pools.values())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_generate_with_prefix_cache_equals_transformers(tiny, k):
+    from dsv4attn.serving.model import PagedDeepseekV4
+
+    model, prompts, want, _ = tiny
+    pm = PagedDeepseekV4(model, max_model_len=600, max_num_batched_tokens=256, max_num_reqs=1, num_blocks=16,
+                         impl="reference", max_cached_prefixes=8, num_speculative_tokens=k)
+    outs, spec = pm.generate(prompts, 8, num_speculative_tokens=k, return_stats=True)
+    assert outs == want
+    st = pm.prefix_cache.stats
+    assert (st.hits, st.hit_tokens, st.refused) == (3, 256 + 256 + 512, 0)
+    assert pm.generate(prompts, 8, num_speculative_tokens=k) == want
+    assert pm.prefix_cache.stats.hits == 3 + 5 and pm.prefix_cache.stats.refused == 0
 
 
 def test_generate_gives_holds_back_when_the_context_pool_is_short(tiny):

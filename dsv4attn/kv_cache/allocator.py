@@ -327,10 +327,12 @@ class KVCacheManager:
         """Keep (by reference) what a request needs to continue from ``num_tokens`` tokens, so
         another request can start there (:meth:`add_request` with ``prefix=``) after this one
         moved on or was freed. ``num_tokens``: a positive multiple of :attr:`prefix_granule`, at
-        most the request's rollback floor (tokens no rollback can take back) and not so far
-        behind that a sliding group already released what position ``num_tokens`` reads.
-        ``written``: tokens whose cache rows are complete when that is more than the computed
-        count (inside a step, after every layer ran: the step's end). Changes nothing on error."""
+        most the tokens in the caches, and not so far behind that a sliding group already
+        released what position ``num_tokens`` reads. Holding *accepts* the held tokens: the
+        request's rollback floor rises to ``num_tokens`` (a held block must never be rewritten).
+        ``written``: inside a step (every layer ran), the step's end; then only tokens no
+        rollback can take back after the step (``written - rollback_tokens``) can be held, and
+        the floor is left to the step's ``advance``. Changes nothing on error."""
         self._check(req_id)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
@@ -339,13 +341,16 @@ class KVCacheManager:
             raise ValueError(f"num_tokens must be a multiple of the prefix granule {gran} (every group's "
                              f"tokens per block), got {num_tokens}")
         computed = self._num_computed[req_id]
-        done = computed if written is None else _count("written", written)
-        if not computed <= done <= self._num_tokens[req_id]:
-            raise ValueError(f"written must be in [{computed}, {self._num_tokens[req_id]}] for {req_id!r}, got {written}")
-        floor = max(self._floor[req_id], done - self.rollback_tokens)
-        if num_tokens > floor:
-            raise ValueError(f"num_tokens {num_tokens} > {floor} for {req_id!r}: only tokens in the caches that "
-                             "no rollback can take back can be held (commit first)")
+        if written is None:
+            limit = computed
+        else:
+            if not computed <= _count("written", written) <= self._num_tokens[req_id]:
+                raise ValueError(f"written must be in [{computed}, {self._num_tokens[req_id]}] for {req_id!r}, "
+                                 f"got {written}")
+            limit = max(self._floor[req_id], written - self.rollback_tokens)
+        if num_tokens > limit:
+            raise ValueError(f"num_tokens {num_tokens} > {limit} for {req_id!r}: only tokens in the caches (and, inside "
+                             "a step with speculative tokens, none a rollback could take back) can be held")
         tables = self._tables[req_id]
         out: dict[str, tuple[int, ...]] = {}
         for g in self.groups:
@@ -356,6 +361,8 @@ class KVCacheManager:
             out[g.name] = (NULL_BLOCK,) * lo + tuple(tables[g.name][lo:hi])
         for g in self.groups:
             self.pools[g.name].share([b for b in out[g.name] if b != NULL_BLOCK])
+        if written is None:
+            self._floor[req_id] = max(self._floor[req_id], num_tokens)
         hold = PrefixHold(self, num_tokens, out)
         self._holds[id(hold)] = hold
         return hold

@@ -214,6 +214,7 @@ class PagedAttentionEngine:
         self._grown: list[tuple[Hashable, int | None]] = []
         self._ran: set[int] = set()
         self._holds: list[PrefixHold] = []  # live prefix holds (at most max_cached_prefixes)
+        self._step_holds: list[PrefixHold] = []  # those taken inside the open step (abort releases them)
 
     def _alloc_caches(self, i: int) -> LayerCaches:
         specs = {s.name: s for s in layer_cache_specs(self.cache_config, i)}
@@ -323,12 +324,14 @@ class PagedAttentionEngine:
         token at position ``num_tokens`` reads, by reference (no copy; the blocks stay out of the
         pools until the hold and every request reading them are gone).
 
-        Between steps, or inside a step once every layer ran (then ``num_tokens`` may reach the
-        step's end). ``num_tokens`` is a multiple of :attr:`prefix_granule`, not past what is in
-        the caches (nor, with speculative decoding, past the last accepted point), and at most
-        a window behind the request's end (further back the window blocks are gone). Raises
-        (changing nothing) ValueError for these, KeyError for an unknown request, and
-        ValueError when ``max_cached_prefixes`` holds are live (release one first)."""
+        Between steps: ``num_tokens`` at most the request's length, and holding accepts those
+        tokens (no rollback below them afterwards: under speculative decoding, save after the
+        verification's rollback). Inside a step once every layer ran: up to the step's end (less
+        ``num_speculative_tokens``: drafts are not verified yet); an aborted step releases the
+        holds taken in it. Always a multiple of :attr:`prefix_granule` and at most a window
+        behind the request's end (further back the window blocks are gone). Raises (changing
+        nothing) ValueError for these, KeyError for an unknown request, and ValueError when
+        ``max_cached_prefixes`` holds are live (release one first)."""
         if request_id not in self.manager:
             raise KeyError(f"unknown request {request_id!r}")
         written = None
@@ -345,6 +348,8 @@ class PagedAttentionEngine:
                              f"{self.max_cached_prefixes}: release one (release_prefix) or raise max_cached_prefixes")
         hold = self.manager.hold_prefix(request_id, num_tokens, written)
         self._holds.append(hold)
+        if plan is not None:
+            self._step_holds.append(hold)
         return hold
 
     def release_prefix(self, hold: PrefixHold) -> int:
@@ -536,7 +541,7 @@ class PagedAttentionEngine:
             raise RuntimeError("end_step() without begin_step()")
         for rid, s, n in zip(plan.order, plan.starts, plan.query_lens):
             self.manager.advance(rid, s + n)
-        self._plan, self._grown = None, []
+        self._plan, self._grown, self._step_holds = None, [], []
         return plan
 
     def abort_step(self) -> None:
@@ -544,8 +549,11 @@ class PagedAttentionEngine:
         already ran wrote the step's positions, which later steps overwrite before reading."""
         if self._plan is None:
             raise RuntimeError("abort_step() without begin_step()")
+        for hold in self._step_holds:  # they hold rows of tokens that are now not computed
+            if not hold.released:
+                self.release_prefix(hold)
         self._undo(self._grown)
-        self._plan, self._grown = None, []
+        self._plan, self._grown, self._step_holds = None, [], []
 
     def _undo(self, grown: list[tuple[Hashable, int | None]]) -> None:
         for rid, before in reversed(grown):

@@ -16,23 +16,27 @@ needs room for a request being admitted.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from dsv4attn.kv_cache.allocator import PrefixHold
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class PrefixCacheStats:
     """Counts since the cache was made: ``lookups`` (requests admitted while it was on), ``hits``
     (requests that started from a hold), ``hit_tokens`` (prompt tokens not computed), ``saved``
-    and ``evicted`` holds."""
+    and ``evicted`` holds, ``refused``: saves the engine refused (logged; none expected)."""
 
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
     saved: int = 0
     evicted: int = 0
+    refused: int = 0
 
 
 @dataclass
@@ -74,7 +78,7 @@ class PrefixCache:
             if child is None:
                 break
             node = child
-            if node.hold is not None:
+            if node.hold is not None and not node.hold.released:
                 best = node
         return best.length, best.hold
 
@@ -93,7 +97,7 @@ class PrefixCache:
             if nxt is None:
                 return False
             node = nxt
-        return node.hold is not None
+        return node.hold is not None and not node.hold.released
 
     def save(self, request_id: Hashable, tokens: Sequence[int], length: int) -> None:
         """Hold ``request_id``'s first ``length`` tokens (``tokens[:length]``; see
@@ -101,9 +105,15 @@ class PrefixCache:
         makes room by giving the least recently used hold back."""
         if self.capacity == 0 or self.has(tokens, length):
             return
+        self._drop_released()
         while len(self._held) >= self.capacity:
             self.evict_one()
-        hold = self.engine.save_prefix(request_id, length)
+        try:
+            hold = self.engine.save_prefix(request_id, length)
+        except ValueError as e:  # a cache that cannot save only loses a future hit
+            self.stats.refused += 1
+            logger.warning("prefix cache: hold of %d tokens of %r refused: %s", length, request_id, e)
+            return
         node = self._root
         g = self.granule
         for end in range(g, length + 1, g):
@@ -126,13 +136,25 @@ class PrefixCache:
         assert hold is not None
         del self._held[id(hold)]
         node.hold = None
-        self.engine.release_prefix(hold)
+        if not hold.released:
+            self.engine.release_prefix(hold)
         self.stats.evicted += 1
+        self._prune(node)
+        return True
+
+    def _drop_released(self) -> None:
+        """Forget holds the engine released itself (those of an aborted step)."""
+        for key, node in list(self._held.items()):
+            if node.hold is not None and node.hold.released:
+                del self._held[key]
+                node.hold = None
+                self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
         while node.parent is not None and node.hold is None and not node.children:  # prune empty branches
             assert node.key is not None
             del node.parent.children[node.key]
             node = node.parent
-        return True
 
     def clear(self) -> None:
         """Give every hold back."""

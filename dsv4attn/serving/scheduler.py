@@ -151,22 +151,26 @@ class ContinuousBatcher:
             pass
         return need <= eng.num_free_blocks()
 
-    def _save_prefixes(self, plan, tokens: dict, running: list[_Request]) -> None:
+    def _save_prefixes(self, tokens: dict, running: list[_Request], behind: int = 0) -> None:
         """Inside a step after every layer ran: hold every granule boundary the step's tokens
-        reached (the requests' fed tokens so far, prompt then outputs)."""
+        reached, up to ``behind`` tokens short of each request's step end (speculative steps:
+        drafts are not verified yet)."""
+        for r in running:
+            if r.rid in tokens:
+                self._save_range(r, r.fed, r.fed + len(tokens[r.rid]) - behind)
+
+    def _save_range(self, r: _Request, lo: int, hi: int) -> None:
+        """Hold the granule boundaries ``h`` with ``lo < h <= hi`` of ``r``'s fed tokens (prompt,
+        then outputs)."""
         if self.cache is None:
             return
         g = self.cache.granule
-        for r in running:
-            if r.rid not in tokens:
-                continue
-            start, end = r.fed, r.fed + len(tokens[r.rid])
-            first = (start // g + 1) * g
-            if first > end:
-                continue
-            seq = r.prompt + r.out
-            for h in range(first, end + 1, g):
-                self.cache.save(("generate", r.rid), seq, h)
+        first = (lo // g + 1) * g
+        if first > hi:
+            return
+        seq = r.prompt + r.out
+        for h in range(first, min(hi, len(seq)) + 1, g):
+            self.cache.save(("generate", r.rid), seq, h)
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = None,
             progress: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -188,7 +192,7 @@ class ContinuousBatcher:
             else:
                 plan = self.model.begin_step({("generate", rid): t for rid, t in tokens.items()})
                 out = self.model.forward_step()
-                self._save_prefixes(plan, tokens, running)
+                self._save_prefixes(tokens, running)
                 self.model.end_step()
                 logits = {rid: out[i] for i, rid in enumerate(plan.order)}
             done = []

@@ -82,8 +82,9 @@ class SpeculativeBatcher(ContinuousBatcher):
 
     ``num_speculative_tokens``: drafts per request and step (0 .. the model's
     ``num_speculative_tokens``); ``drafter``: default :class:`NgramDrafter`. After ``run``,
-    ``stats`` holds a :class:`SpecStats`. The model's prefix cache is not used here: every
-    prompt is computed (outputs are the same either way).
+    ``stats`` holds a :class:`SpecStats`. With the model's prefix cache on, prompt boundaries
+    are held inside the step (all but the last k tokens of a chunk) and the rest after each
+    verification's rollback, before its commit (holding accepts the tokens).
     """
 
     def __init__(self, model, num_speculative_tokens: int, drafter: Drafter | None = None,
@@ -98,7 +99,6 @@ class SpeculativeBatcher(ContinuousBatcher):
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a dsv4attn.serving.drafter.Drafter, got {type(drafter).__name__}")
         super().__init__(model, token_budget, chunk_size)
-        self.cache = None  # draft-and-verify generation neither saves nor uses prefix holds (yet)
         self.k = k
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.stats = SpecStats(k)
@@ -164,6 +164,8 @@ class SpeculativeBatcher(ContinuousBatcher):
                         where[rid] = (len(rows), 1)
                         rows.append(o + n - 1)
                 logits = model.forward_step(rows=rows)  # runs every layer (fills the caches) even if no row is asked
+                self._save_prefixes({rid: t for rid, t in tokens.items() if by_id[rid].fed < len(by_id[rid].prompt)},
+                                    running, behind=eng.num_speculative_tokens)
                 model.end_step()
                 pred = logits.argmax(dim=-1).tolist()
                 done = []
@@ -171,8 +173,10 @@ class SpeculativeBatcher(ContinuousBatcher):
                     if r.rid not in tokens:
                         continue
                     fed = tokens[r.rid]
+                    before = r.fed
                     if r.rid not in where:  # a prompt chunk that does not end the prompt
                         r.fed += len(fed)
+                        self._save_range(r, max(before, r.fed - eng.num_speculative_tokens), r.fed)
                         continue
                     i, n = where[r.rid]
                     p = pred[i:i + n]
@@ -190,10 +194,14 @@ class SpeculativeBatcher(ContinuousBatcher):
                     else:
                         new = p[:1]
                         r.fed += len(fed)
-                    model.commit(("generate", r.rid))
                     if eos_token_id is not None and eos_token_id in new:
                         new = new[:new.index(eos_token_id) + 1]
                     r.out.extend(new)
+                    # boundaries this step reached that the in-step save could not take (drafts and
+                    # the last k prompt tokens), now accepted: before the commit releases their windows
+                    lo = before if before >= len(r.prompt) else max(before, before + len(fed) - eng.num_speculative_tokens)
+                    self._save_range(r, lo, r.fed)
+                    model.commit(("generate", r.rid))
                     if len(r.out) >= max_new_tokens or (eos_token_id is not None and r.out[-1] == eos_token_id):
                         del r.out[max_new_tokens:]
                         done.append(r)
