@@ -261,10 +261,9 @@ class PagedDeepseekV4:
         output is the same as with k = 0. ``return_stats``: return ``(outputs, SpecStats)``
         (acceptance rate, tokens/s; also logged).
 
-        With ``max_cached_prefixes > 0``, plain greedy generation (no drafts, no ``return_stats``)
-        starts prompts from the longest prefix an earlier request left (in this call or an
-        earlier one) and computes only the rest; :attr:`prefix_cache` ``.stats`` counts the hits.
-        Outputs are the same either way; the draft-and-verify path does not use the cache yet.
+        With ``max_cached_prefixes > 0`` prompts start from the longest prefix an earlier request
+        left (in this call or an earlier one) and compute only the rest; :attr:`prefix_cache`
+        ``.stats`` counts the hits. Outputs are the same either way.
         """
         if num_speculative_tokens or drafter is not None or return_stats:
             from dsv4attn.serving.spec import SpeculativeBatcher
