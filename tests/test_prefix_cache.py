@@ -428,3 +428,15 @@ def test_started_request_replays_captured_graphs_like_a_cold_run(kv):
         e.free("b")
         assert _pools_full(e)
     assert all(_same(g, w) for g, w in zip(runs[1], runs[0]))
+
+
+def test_distributed_wrappers_refuse_prefix_caching(layers):
+    from dsv4attn.distributed.engine import DCPPagedAttentionEngine
+    from dsv4attn.distributed.model import ParallelPagedDeepseekV4
+
+    with pytest.raises(ValueError, match="max_cached_prefixes"):
+        DCPPagedAttentionEngine(layers, max_cached_prefixes=4)
+    with pytest.raises(ValueError, match="max_cached_prefixes"):
+        ParallelPagedDeepseekV4(torch.nn.Linear(2, 2), object(), max_cached_prefixes=4)
+    with pytest.raises(ValueError, match="max_cached_prefixes"):
+        _engine(layers, max_cached_prefixes=-1)

@@ -164,15 +164,15 @@ class DCPPagedAttentionEngine(PagedAttentionEngine):
     def __init__(self, layers: Sequence[DeepseekV4Attention], group: Any = None, *, interleave: int = 1,
                  kv_cache_dtype: str = "auto", num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_model_len: int = 65536, max_num_reqs: int = 256, **kwargs: Any) -> None:
+        if kwargs.get("max_cached_prefixes", 0):
+            raise ValueError("max_cached_prefixes: prefix caching is not supported with decode context "
+                             "parallelism yet (use 0)")
         if group is None:
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         if group is None:
             raise ValueError("DCPPagedAttentionEngine needs an initialized torch.distributed process group")
         if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
             raise ValueError(f"interleave must be a positive int, got {interleave!r}")
-        if kwargs.get("max_cached_prefixes", 0):
-            raise ValueError("max_cached_prefixes: prefix caching is not supported with decode context "
-                             "parallelism yet (use 0)")
         layers = list(layers)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         ratios = sorted({la.ratio for la in layers if isinstance(la, DeepseekV4Attention)} - {1})

@@ -44,12 +44,12 @@ class ParallelPagedDeepseekV4(PagedDeepseekV4):
     other arguments as the base class (``num_blocks`` / ``memory_bytes`` per rank)."""
 
     def __init__(self, hf_model: nn.Module, ctx: ParallelContext, **kwargs: Any) -> None:
+        if kwargs.get("max_cached_prefixes"):
+            raise ValueError("max_cached_prefixes: prefix caching is not supported with --tp/--dcp yet")
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext (init_parallel), got {type(ctx).__name__}")
         if kwargs.get("num_speculative_tokens"):
             raise ValueError("speculative decoding is not supported with --tp/--dcp yet")
-        if kwargs.get("max_cached_prefixes"):
-            raise ValueError("max_cached_prefixes: prefix caching is not supported with --tp/--dcp yet")
         self.parallel = ctx
         super().__init__(hf_model, **kwargs)
         self.layers = self.engine.layers  # the shards under TP
