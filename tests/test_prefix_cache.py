@@ -440,3 +440,72 @@ def test_distributed_wrappers_refuse_prefix_caching(layers):
         ParallelPagedDeepseekV4(torch.nn.Linear(2, 2), object(), max_cached_prefixes=4)
     with pytest.raises(ValueError, match="max_cached_prefixes"):
         _engine(layers, max_cached_prefixes=-1)
+
+
+# ---- export / import: KV transfer between engines, offload -------------------------------------------
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_exported_prefix_serves_another_engine_like_a_cold_run(layers, kv, tmp_path):
+    """A prefill engine exports a prefix; a second engine (other block ids in use, the blob
+    through torch.save/torch.load) imports it and a request started there gives the bits of a
+    cold run on that engine."""
+    torch.manual_seed(8)
+    x, w = torch.randn(700, 32), torch.randn(700, 32)
+    c = _engine(layers, kv, max_num_batched_tokens=512)
+    _step(c, {"x": x[:2 * G]})
+    want = [_step(c, {"x": x[2 * G:2 * G + 40]})["x"]] + [_step(c, {"x": x[t:t + 1]})["x"] for t in range(552, 560)]
+
+    src = _engine(layers, kv, max_cached_prefixes=1, max_num_batched_tokens=512)
+    _step(src, {"a": x[:2 * G]})
+    blob = src.export_prefix(src.save_prefix("a", 2 * G))
+    assert blob.num_tokens == 2 * G and blob.nbytes > 0
+    torch.save(blob, tmp_path / "prefix.pt")
+    blob = torch.load(tmp_path / "prefix.pt", weights_only=False)
+
+    dst = _engine(layers, kv, max_cached_prefixes=1, max_num_batched_tokens=512)
+    _step(dst, {"other": w[:300]})  # blocks in use: the imported prefix lands on other ids
+    hold = dst.import_prefix(blob)
+    assert hold.block_ids("full_mla") != src.prefix_holds[0].block_ids("full_mla")
+    dst.add_request("b", hold)
+    got = [_step(dst, {"b": x[2 * G:2 * G + 40]})["b"]] + [_step(dst, {"b": x[t:t + 1]})["b"] for t in range(552, 560)]
+    assert all(_same(g, v) for g, v in zip(got, want))
+    for r in ("b", "other"):
+        dst.free(r)
+    dst.release_prefix(hold)
+    assert _pools_full(dst)
+
+
+def test_import_refuses_what_it_cannot_read_and_changes_nothing(layers):
+    torch.manual_seed(9)
+    x = torch.randn(700, 32)
+    src = _engine(layers, max_cached_prefixes=1)
+    _step(src, {"a": x[:G]})
+    blob = src.export_prefix(src.save_prefix("a", G))
+    fp8 = _engine(layers, "fp8_ds_mla", max_cached_prefixes=1)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        fp8.import_prefix(blob)
+    two = _engine(layers[:2], max_cached_prefixes=1)
+    with pytest.raises(ValueError, match="another geometry"):
+        two.import_prefix(blob)
+    dst = _engine(layers, max_cached_prefixes=1, num_blocks=1)
+    before = _snapshot(dst)
+    import dataclasses
+
+    bad_pages = dataclasses.replace(blob, pages=blob.pages[:2])
+    for arg, err in [(blob.pages, TypeError), (bad_pages, ValueError)]:
+        with pytest.raises(err):
+            dst.import_prefix(arg)
+        assert _snapshot(dst) == before
+    _step(dst, {"z": x[:10]})  # the one full_mla block is taken: the import is short
+    before = _snapshot(dst)
+    from dsv4attn.kv_cache.allocator import PoolExhaustedError
+
+    with pytest.raises(PoolExhaustedError):
+        dst.import_prefix(blob)
+    assert _snapshot(dst) == before
+    dst.free("z")
+    h = dst.import_prefix(blob)
+    with pytest.raises(ValueError, match="max_cached_prefixes=1"):
+        dst.import_prefix(blob)
+    with pytest.raises(ValueError, match="not a live prefix hold"):
+        src.export_prefix(h)

@@ -367,6 +367,31 @@ class KVCacheManager:
         self._holds[id(hold)] = hold
         return hold
 
+    def new_prefix(self, num_tokens: int, columns: Mapping[str, Sequence[bool]]) -> PrefixHold:
+        """A hold on fresh blocks (for cache contents brought in from elsewhere: a prefix exported
+        by another engine or offloaded): ``columns[group][c]`` says whether column ``c`` (of
+        ``num_tokens // tokens_per_block``) holds a block. Raises (taking nothing) ValueError for
+        a bad shape and :class:`PoolExhaustedError` when a pool is short."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1 \
+                or num_tokens % self.prefix_granule:
+            raise ValueError(f"num_tokens must be a positive multiple of {self.prefix_granule}, got {num_tokens!r}")
+        if not isinstance(columns, Mapping) or set(columns) != {g.name for g in self.groups}:
+            raise ValueError(f"columns must name exactly the groups {[g.name for g in self.groups]}")
+        need = {}
+        for g in self.groups:
+            cols = list(columns[g.name])
+            if len(cols) != num_tokens // g.tokens_per_block or not all(isinstance(c, bool) for c in cols):
+                raise ValueError(f"columns[{g.name!r}] must be {num_tokens // g.tokens_per_block} bools")
+            need[g.name] = sum(cols)
+        self._raise_if_short("(prefix)", need, num_tokens, "")
+        out: dict[str, tuple[int, ...]] = {}
+        for g in self.groups:
+            ids = iter(self.pools[g.name].take(need[g.name]))
+            out[g.name] = tuple(next(ids) if c else NULL_BLOCK for c in columns[g.name])
+        hold = PrefixHold(self, num_tokens, out)
+        self._holds[id(hold)] = hold
+        return hold
+
     def release_prefix(self, hold: PrefixHold) -> int:
         """Drop a hold's references; returns the blocks that became free."""
         self._check_hold(hold)

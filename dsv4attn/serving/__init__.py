@@ -12,6 +12,7 @@
   ``generate(..., num_speculative_tokens=k)`` uses them; ``engine.rollback`` / ``commit``.
 - Prefix caching: :class:`PrefixCache` / :class:`PrefixCacheStats` (``prefix_cache``) over the
   engine's ``save_prefix`` / ``add_request(request, prefix)`` / ``release_prefix``;
+  :class:`PrefixBlob` with ``export_prefix`` / ``import_prefix`` moves a prefix between engines;
   ``PagedDeepseekV4(..., max_cached_prefixes=N)`` turns it on for ``generate``.
 - ``cli`` / ``layer_demo`` / ``metadata_demo``: the jobs behind ``python -m dsv4attn`` (``generate``,
   ``layer-demo``, ``metadata-demo``); ``scheduler``, ``graphs``, ``tiny``: see their docstrings.
@@ -21,7 +22,7 @@ from dsv4attn.serving.drafter import Drafter, NgramDrafter
 from dsv4attn.serving.engine import PagedAttentionEngine, StepPlan
 from dsv4attn.serving.model import PagedDeepseekV4, reference_generate
 from dsv4attn.serving.paged import LayerCaches, layer_step
-from dsv4attn.serving.prefix_cache import PrefixCache, PrefixCacheStats
+from dsv4attn.serving.prefix_cache import PrefixBlob, PrefixCache, PrefixCacheStats
 from dsv4attn.serving.runner import AttentionRunner
 from dsv4attn.serving.spec import SpecStats, SpeculativeBatcher
 
@@ -32,6 +33,7 @@ __all__ = [
     "NgramDrafter",
     "PagedAttentionEngine",
     "PagedDeepseekV4",
+    "PrefixBlob",
     "PrefixCache",
     "PrefixCacheStats",
     "SpecStats",

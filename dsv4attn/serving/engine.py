@@ -48,6 +48,7 @@ from dsv4attn.kv_cache.specs import (
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
 from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step, state_window
+from dsv4attn.serving.prefix_cache import PrefixBlob
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
     from dsv4attn.serving.graphs import DecodeGraphs
@@ -58,6 +59,19 @@ PAGED_RATIOS = (1, 4, 128)
 #: Most draft tokens verified per request and step (DeepSeek-V4 MTP uses 1-4; next_n up to 8).
 MAX_SPECULATIVE_TOKENS = 7
 _STATE_GROUP = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
+
+
+def _page_numel(t: torch.Tensor) -> int:
+    """Elements of one block's page of a cache tensor (its block stride)."""
+    return t.stride(0)
+
+
+def _pages(t: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, page elements]`` view of a cache tensor's whole pages (entries, scales and
+    padding: every byte of a block), over the buffer it was allocated in."""
+    page = _page_numel(t)
+    assert t.untyped_storage().nbytes() >= (t.storage_offset() + t.shape[0] * page) * t.element_size()
+    return t.as_strided((t.shape[0], page), (page, 1), t.storage_offset())
 
 
 def _positive(name: str, v: object) -> int:
@@ -361,6 +375,89 @@ class PagedAttentionEngine:
         freed = self.manager.release_prefix(hold)
         self._holds = [h for h in self._holds if h is not hold]
         return freed
+
+    #: LayerCaches fields and the cache group each one's blocks come from (state: by ratio).
+    _CACHE_FIELDS = ("swa", "compressed", "indexer_k", "state", "indexer_state")
+
+    def _field_group(self, field: str, ratio: int) -> str:
+        return {"swa": GROUP_SWA, "compressed": GROUP_FULL_MLA, "indexer_k": GROUP_FULL_MLA,
+                "indexer_state": GROUP_C4_STATE}.get(field) or _STATE_GROUP[ratio]
+
+    def _cache_signature(self) -> tuple:
+        """What must match for another engine's pages to be read here: cache dtype, groups,
+        and per layer each cache's group, entry shape, dtype and page size."""
+        layers = []
+        for layer, c in zip(self.layers, self.caches):
+            row = []
+            for f in self._CACHE_FIELDS:
+                t = getattr(c, f)
+                if t is not None:
+                    row.append((f, self._field_group(f, layer.ratio), tuple(t.shape[1:]), str(t.dtype),
+                                _page_numel(t) * t.element_size()))
+            layers.append((layer.ratio, tuple(row)))
+        groups = tuple((g.name, g.kind, g.tokens_per_block, g.window) for g in self.manager.groups)
+        return (self.kv_cache_dtype, groups, tuple(layers))
+
+    def export_prefix(self, hold: PrefixHold, device: torch.device | str = "cpu") -> PrefixBlob:
+        """The cache pages a live prefix hold of this engine keeps, copied to ``device`` (see
+        :class:`dsv4attn.serving.prefix_cache.PrefixBlob`). The hold stays live."""
+        if not isinstance(hold, PrefixHold):
+            raise TypeError(f"hold must be a PrefixHold, got {type(hold).__name__}")
+        if not any(h is hold for h in self._holds):
+            raise ValueError("hold is not a live prefix hold of this engine (released already, or another engine's)")
+        ids = {g.name: torch.tensor([b for b in hold.block_ids(g.name) if b >= 0], dtype=torch.long,
+                                    device=self.device) for g in self.manager.groups}
+        pages = []
+        for layer, c in zip(self.layers, self.caches):
+            out = {}
+            for f in self._CACHE_FIELDS:
+                t = getattr(c, f)
+                if t is not None:
+                    out[f] = _pages(t).index_select(0, ids[self._field_group(f, layer.ratio)]).to(device)
+            pages.append(out)
+        columns = {g.name: tuple(b >= 0 for b in hold.block_ids(g.name)) for g in self.manager.groups}
+        return PrefixBlob(hold.num_tokens, columns, tuple(pages), self._cache_signature())
+
+    def import_prefix(self, blob: PrefixBlob) -> PrefixHold:
+        """A prefix hold of this engine made from exported pages (fresh blocks, the pages copied
+        in): start requests from it with :meth:`add_request`. Between steps; refuses (changing
+        nothing) a blob of another geometry (ValueError naming what differs), a full hold count
+        (ValueError) and short pools (PoolExhaustedError)."""
+        if self._plan is not None:
+            raise RuntimeError("import_prefix() inside a step: call end_step() or abort_step() first")
+        if not isinstance(blob, PrefixBlob):
+            raise TypeError(f"blob must be a PrefixBlob, got {type(blob).__name__}")
+        mine = self._cache_signature()
+        if blob.signature != mine:
+            what = ("kv_cache_dtype" if blob.signature[0] != mine[0] else "cache groups"
+                    if blob.signature[1] != mine[1] else "layers (kinds, head dims, dtypes or page sizes)")
+            raise ValueError(f"blob was exported by an engine of another geometry: its {what} differ from this "
+                             "engine's")
+        if len(self._holds) >= self.max_cached_prefixes:
+            raise ValueError(f"{len(self._holds)} prefix holds are live, max_cached_prefixes="
+                             f"{self.max_cached_prefixes}: release one (release_prefix) or raise max_cached_prefixes")
+        groups = {g.name for g in self.manager.groups}
+        if not isinstance(blob.columns, Mapping) or set(blob.columns) != groups:
+            raise ValueError(f"blob.columns must name exactly the groups {sorted(groups)}")
+        if not isinstance(blob.pages, Sequence) or len(blob.pages) != len(self.layers):
+            raise ValueError(f"blob.pages must hold one entry per layer ({len(self.layers)})")
+        for i, layer_pages in enumerate(blob.pages):  # shapes checked before any block is taken
+            have = [f for f in self._CACHE_FIELDS if getattr(self.caches[i], f) is not None]
+            if not isinstance(layer_pages, Mapping) or sorted(layer_pages) != sorted(have):
+                raise ValueError(f"blob.pages[{i}] must hold the caches {have}")
+            for f, t in layer_pages.items():
+                n = sum(blob.columns[self._field_group(f, self.layers[i].ratio)])
+                want = (n, _page_numel(getattr(self.caches[i], f)))
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != getattr(self.caches[i], f).dtype:
+                    raise ValueError(f"blob.pages[{i}][{f!r}] must be a {want} tensor of the cache's dtype")
+        hold = self.manager.new_prefix(blob.num_tokens, blob.columns)
+        ids = {g.name: torch.tensor([b for b in hold.block_ids(g.name) if b >= 0], dtype=torch.long,
+                                    device=self.device) for g in self.manager.groups}
+        for layer, c, layer_pages in zip(self.layers, self.caches, blob.pages):
+            for f, t in layer_pages.items():
+                _pages(getattr(c, f)).index_copy_(0, ids[self._field_group(f, layer.ratio)], t.to(self.device))
+        self._holds.append(hold)
+        return hold
 
     def add_request(self, request_id: Hashable, prefix: PrefixHold) -> None:
         """Start ``request_id`` from a prefix hold: it has ``prefix.num_tokens`` tokens in the

@@ -20,9 +20,35 @@ import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from dsv4attn.kv_cache.allocator import PrefixHold
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixBlob:
+    """A prefix hold's cache contents outside the engine (``engine.export_prefix``; brought back
+    by ``engine.import_prefix`` into an engine of the same geometry): for KV transfer between
+    engines (a prefill engine handing prompts to a decode engine) or offload to host memory.
+
+    ``num_tokens``: the prefix length; ``columns``: per cache group, which table columns hold a
+    block (window groups keep only the last few); ``pages``: per layer, per cache (``swa``,
+    ``compressed``, ``indexer_k``, ``state``, ``indexer_state``), the whole pages of those blocks
+    in column order, every byte of each page (``[blocks, page elements]`` in the cache's dtype:
+    uint8 for fp8_ds_mla pages, whose format docs/cache-format.md documents); ``signature``: the
+    geometry the pages belong to. Plain tensors and tuples: ``torch.save`` / ``torch.load``
+    carry it."""
+
+    num_tokens: int
+    columns: dict[str, tuple[bool, ...]]
+    pages: tuple[dict[str, torch.Tensor], ...]
+    signature: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for layer in self.pages for t in layer.values())
 
 
 @dataclass
