@@ -504,6 +504,9 @@ def test_import_refuses_what_it_cannot_read_and_changes_nothing(layers):
         dst.import_prefix(blob)
     assert _snapshot(dst) == before
     dst.free("z")
+    short = _engine(layers, max_cached_prefixes=1, max_model_len=G)
+    with pytest.raises(ValueError, match="no room"):
+        short.add_request("b", short.import_prefix(blob))
     h = dst.import_prefix(blob)
     with pytest.raises(ValueError, match="max_cached_prefixes=1"):
         dst.import_prefix(blob)

@@ -474,6 +474,9 @@ class PagedAttentionEngine:
             raise ValueError("prefix is not a live prefix hold of this engine (released already, or another engine's)")
         if len(self.manager.requests) >= self.max_num_reqs:
             raise ValueError(f"{len(self.manager.requests)} requests are live = max_num_reqs={self.max_num_reqs}")
+        if prefix.num_tokens >= self.max_model_len:
+            raise ValueError(f"prefix holds {prefix.num_tokens} tokens: no room for another within "
+                             f"max_model_len={self.max_model_len}")
         self.manager.add_request(request_id, prefix=prefix)
 
     # ---- one step ----------------------------------------------------------------------------

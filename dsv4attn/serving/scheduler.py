@@ -144,7 +144,7 @@ class ContinuousBatcher:
         pending = 0
         for q in running:
             rid = ("generate", q.rid)
-            have = len(eng.manager.block_ids(rid, eng.main_group)) if rid in eng.manager else 0
+            have = eng.blocks_to_reserve(eng.manager.num_tokens(rid)) if rid in eng.manager else 0
             pending += max(0, q.reserve - have)
         need = pending + max(0, r.reserve - eng.blocks_to_reserve(hit))
         while need > eng.num_free_blocks() and self.cache.evict_one(keep=hold):
