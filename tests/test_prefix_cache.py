@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, BlockPool, KVCacheManager, PrefixHold
+from dsv4attn.kv_cache.allocator import PoolExhaustedError as PoolExhaustedErrorT
 from dsv4attn.kv_cache.specs import CacheConfig, cache_groups
 from dsv4attn.serving.engine import PagedAttentionEngine
 from test_serving_engine import _layers
@@ -512,3 +513,101 @@ def test_import_refuses_what_it_cannot_read_and_changes_nothing(layers):
         dst.import_prefix(blob)
     with pytest.raises(ValueError, match="not a live prefix hold"):
         src.export_prefix(h)
+
+
+# ---- random programs over the allocator: reference counts and immutability of held blocks --------------
+
+POOL = 160
+
+
+def _alloc_state(m):
+    import copy
+
+    return (copy.deepcopy(m._tables), dict(m._num_tokens), dict(m._num_computed), dict(m._floor),
+            sorted(m.pool._free), dict(m.pool._refs), len(m._holds))
+
+
+def _random_op(rng, m, holds, gone, gran):
+    """One call on ``m``, valid most of the time (requests exist, holds at granule boundaries)."""
+    live = m.requests
+    op = rng.choices(["add", "fork", "grow", "advance", "hold", "release", "free", "rollback", "commit",
+                      "truncate"], weights=[3, 3, 4, 5, 4, 2, 1, 2, 2, 1])[0]
+    rid = rng.choice(live) if live and op not in ("add", "fork") and rng.random() < 0.9 else f"r{rng.randrange(4)}"
+    n = rng.randrange(40)
+    if op == "add":
+        return lambda: m.add_request(rid, n)
+    if op == "fork":
+        pool = gone if gone and rng.random() < 0.15 else holds
+        return lambda: m.add_request(rid, n, prefix=rng.choice(pool) if pool else None)
+    if op == "grow":
+        return lambda: m.grow(rid, m.num_tokens(rid) + rng.randrange(12))
+    if op == "advance":
+        return lambda: m.advance(rid, min(m.num_tokens(rid), m.num_computed(rid) + rng.randrange(16)))
+    if op == "hold":
+        back = rng.choice([0, 0, 0, 1, 2])
+        odd = rng.random() < 0.1
+        return lambda: holds.append(m.hold_prefix(rid, (m.num_computed(rid) // gran - back) * gran + 3 * odd))
+    if op == "release":
+        def release():
+            if holds:
+                gone.append(holds.pop(rng.randrange(len(holds))))
+                m.release_prefix(gone[-1])
+        return release
+    if op == "free":
+        return lambda: m.free(rid)
+    if op == "rollback":
+        return lambda: m.rollback(rid, max(0, m.num_computed(rid) - rng.randrange(5)))
+    if op == "commit":
+        return lambda: m.commit(rid)
+    return lambda: m.truncate(rid, max(m.num_computed(rid), m.num_tokens(rid) - rng.randrange(5)))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_random_hold_programs_keep_reference_counts(k):
+    """Random interleavings of requests, holds, forks, growth, rollback and frees (300 programs
+    of 60 calls): every block's reference count equals its owners (request tables and live
+    holds), free and owned blocks partition the pool, a refused call changes nothing, and no
+    request can write (or roll back into) a block a live hold keeps."""
+    import random
+
+    from dsv4attn.kv_cache.specs import GroupSpec
+
+    groups = [GroupSpec("full", "full", tokens_per_block=8), GroupSpec("swa", "sliding", tokens_per_block=4, window=8),
+              GroupSpec("state", "sliding", tokens_per_block=2, window=3)]
+    made = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        m = KVCacheManager(groups, POOL, rollback_tokens=k)
+        gran = m.prefix_granule
+        holds: list = []
+        gone: list = []  # released holds: forking from one is refused
+        for _ in range(60):
+            call = _random_op(rng, m, holds, gone, gran)
+            before = _alloc_state(m)
+            n_holds = len(holds)
+            try:
+                call()
+            except (KeyError, ValueError, PoolExhaustedErrorT):
+                assert _alloc_state(m) == before
+            made += len(holds) > n_holds
+            owners: dict[int, int] = {}
+            tables = [m.block_ids(r, g.name) for r in m.requests for g in groups]
+            tables += [h.block_ids(g.name) for h in holds for g in groups]
+            for t in tables:
+                for b in t:
+                    if b != NULL_BLOCK:
+                        owners[b] = owners.get(b, 0) + 1
+            assert owners == m.pool._refs
+            assert sorted(list(owners) + m.pool._free) == list(range(POOL))
+            held = {b for h in holds for g in groups for b in h.block_ids(g.name) if b != NULL_BLOCK}
+            for r in m.requests:
+                for g in groups:
+                    for c, b in enumerate(m.block_ids(r, g.name)):
+                        if b in held:  # never written again, not even after a rollback
+                            assert (c + 1) * g.tokens_per_block <= m.rollback_floor(r), (seed, r, g.name, c)
+        for r in m.requests:
+            m.free(r)
+        for h in holds:
+            m.release_prefix(h)
+        assert m.pool.num_free == POOL and not m.pool._refs
+    assert made > 50  # the programs do take holds
