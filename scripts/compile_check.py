@@ -23,79 +23,26 @@ import json
 import os
 import sys
 
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64", "uint8": "u8",
-           "int8": "i8", "int16": "i16", "bool": "i1", "float8_e4m3fn": "fp8e4nv", "float64": "fp64"}
-
-
-def _arg_type(v):
-    """(signature type, divisible-by-16 attribute) of one runtime argument, or None for None."""
-    import torch
-
-    if isinstance(v, torch.Tensor):
-        return "*" + _DTYPES[str(v.dtype).replace("torch.", "")], v.data_ptr() % 16 == 0
-    if isinstance(v, bool):
-        return "i1", False
-    if isinstance(v, int):
-        return ("i32" if -(2**31) <= v < 2**31 else "i64"), v % 16 == 0
-    if isinstance(v, float):
-        return "fp32", False
-    if v is None:
-        return None, False
-    raise TypeError(type(v).__name__)
-
 
 def record(out_path: str, pytest_args: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tests' CPU path (on a GPU machine too)
     import pytest
-    from triton.runtime import interpreter
 
+    from dsv4attn.testing.triton_specs import recording
+
+    with recording() as found:
+        rc = pytest.main(["-q", "-p", "no:cacheprovider", "-x", *pytest_args])
     specs: dict[str, dict] = {}
-    orig = interpreter.InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        fn = self.fn
-        ann = inspect_args(fn)
-        names = list(ann)
-        params = dict(zip(names, args))
-        params.update({k: v for k, v in kwargs.items() if k in names})
-        options = {k: v for k, v in kwargs.items() if k not in names}
-        sig, const, attrs = {}, {}, []
-        for i, n in enumerate(names):
-            if n not in params:
-                continue  # defaulted constexpr
-            v = params[n]
-            if "constexpr" in str(ann[n].annotation):
-                const[n] = v
-                sig[n] = "constexpr"
-                continue
-            t, div = _arg_type(v)
-            if t is None:
-                const[n] = None
-                sig[n] = "constexpr"
-                continue
-            sig[n] = t
-            if div:
-                attrs.append(i)
-        key = json.dumps([fn.__module__, fn.__name__, sig, const, attrs, sorted(options.items())], default=str)
-        specs.setdefault(key, dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const,
-                                   divisible=attrs, options={k: options[k] for k in ("num_warps", "num_stages")
-                                                             if k in options}))
-        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    interpreter.InterpretedFunction.run = run
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-x", *pytest_args])
+    for s in found.values():  # what compile_all needs: one entry per compiled binary
+        s = dict(s, options={k: s["options"][k] for k in ("num_warps", "num_stages") if k in s["options"]})
+        del s["ones"]
+        specs.setdefault(json.dumps(s, sort_keys=True, default=str), s)
     with open(out_path, "w") as f:
         json.dump(list(specs.values()), f, indent=0, default=str)
     print(f"recorded {len(specs)} specialisations (pytest rc {rc})")
     if rc != 0 or not specs:
         sys.exit(f"recording failed: pytest rc {rc}, {len(specs)} specialisations")
-
-
-def inspect_args(fn):
-    import inspect
-
-    return inspect.signature(fn).parameters
 
 
 def compile_all(path: str, targets: list[int]) -> int:

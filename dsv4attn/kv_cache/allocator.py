@@ -595,7 +595,7 @@ class KVCacheManager:
     # ---- export ---------------------------------------------------------------------------
     def block_table(self, req_ids: Sequence[Hashable], group: str, width: int | None = None,
                     device: torch.device | str = "cpu", out: torch.Tensor | None = None,
-                    first_cols: Sequence[int] | None = None) -> torch.Tensor:
+                    first_cols: Sequence[int] | None = None, align: int = 1) -> torch.Tensor:
         """``[len(req_ids), width]`` int32 block table of ``group`` (rows in ``req_ids`` order),
         padded with ``NULL_BLOCK``. ``width`` defaults to the longest row; a fixed capacity width
         keeps the tensor shape stable for CUDA graphs. Raises if a row does not fit. ``out``: a
@@ -608,7 +608,11 @@ class KVCacheManager:
         ``first_cols`` (sliding groups): row i holds the request's columns from ``first_cols[i]``
         on (column c at ``c - first_cols[i]``; a *windowed* table, whose users shift positions by
         ``first_cols[i] * tokens_per_block``), so its width follows the live window, not the
-        context (a state group's columns are raw positions / 4 or / 8)."""
+        context (a state group's columns are raw positions / 4 or / 8).
+
+        ``align``: the default width is the longest row rounded up to a multiple of it (the
+        engine passes 16: Triton specialises integer arguments by divisibility by 16, so widths
+        that wander with the context would compile new kernel variants while serving)."""
         g = self._group(group)
         rows = [self._tables[self._check(r)][g.name] for r in req_ids]
         skip = [self._reclaimed[r][g.name] for r in req_ids]  # leading columns known to be NULL_BLOCK
@@ -627,7 +631,9 @@ class KVCacheManager:
                                  f"{tuple(out.shape)} on {out.device}")
             width = out.shape[1]
         else:
-            width = longest if width is None else width
+            if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+                raise ValueError(f"align must be a positive int, got {align!r}")
+            width = cdiv(longest, align) * align if width is None else width
         if width < longest:
             raise ValueError(f"width {width} < longest {g.name} block table ({longest} columns)")
         table = out if out is not None else torch.empty((len(rows), width), dtype=torch.int32)

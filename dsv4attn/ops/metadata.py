@@ -93,6 +93,13 @@ def _check_batch_tensors(qsl: torch.Tensor, seq_lens: torch.Tensor) -> None:
     check_values("seq_lens", seq_lens, 0, MAX_POSITION)
 
 
+def search_iters(num_reqs: int) -> int:
+    """Binary-search steps over ``num_reqs + 1`` request starts, in buckets of 4 (4, 8, 12, ...):
+    extra steps are no-ops, and a bucket (a compile-time constant) changes only at 16, 256,
+    4096 requests, so serving does not compile a new kernel for every power of two."""
+    return 4 * -(-max(1, num_reqs.bit_length()) // 4)
+
+
 def get_compressed_slot_mapping(
     num_tokens: int,
     query_start_loc: torch.Tensor,
@@ -153,7 +160,7 @@ def get_compressed_slot_mapping(
     K._compressed_slot_mapping_kernel[(triton.cdiv(out.shape[0], block),)](
         out, qsl, seq_lens, bt, bt.stride(0), bt.stride(1), num_tokens, out.shape[0], num_reqs,
         bt.shape[1], block_size, compress_ratio, cp_world_size, cp_rank, cp_kv_cache_interleave_size,
-        SEARCH_ITERS=max(1, num_reqs.bit_length()), BLOCK=block,
+        SEARCH_ITERS=search_iters(num_reqs), BLOCK=block,
     )
     return out[:num_tokens]
 

@@ -59,6 +59,10 @@ PAGED_RATIOS = (1, 4, 128)
 #: Most draft tokens verified per request and step (DeepSeek-V4 MTP uses 1-4; next_n up to 8).
 MAX_SPECULATIVE_TOKENS = 7
 _STATE_GROUP = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
+#: Eager steps' block tables are as wide as the longest row rounded up to this: Triton
+#: specialises integer arguments (table widths and strides) on divisibility by 16, so a width that
+#: follows the context would compile new kernel variants while serving (see ``warmup``).
+TABLE_ALIGN = 16
 
 
 def _page_numel(t: torch.Tensor) -> int:
@@ -546,6 +550,73 @@ class PagedAttentionEngine:
         self._plan, self._grown, self._ran = plan, grown, set()
         return plan
 
+    def warmup(self, max_prefill_tokens: int = 64) -> int:
+        """Run throw-away steps of every shape class serving meets, so Triton compiles each
+        kernel specialisation now and none while serving: batch sizes on both sides of 16 and of
+        the binary-search buckets (16, 256, 4096 requests), step token counts that are 1, a
+        multiple of 16 and neither, decode-only, prefill-only and mixed steps, contexts past the
+        window and the first compressed entries. Integers Triton specialises on otherwise stay
+        in fixed classes (table widths rounded to 16: ``TABLE_ALIGN``). Needs an idle engine
+        (no live request, no open step); leaves it as it was. ``max_prefill_tokens``: longest
+        prompt chunk used (at least 17, at most ``max_num_batched_tokens``). Returns the steps
+        run. With CUDA graphs enabled, decode steps of a bucket size replay (captured already)."""
+        if self._plan is not None:
+            raise RuntimeError("warmup() inside a step")
+        if self.manager.requests:
+            raise RuntimeError(f"warmup() needs an idle engine, {len(self.manager.requests)} requests are live")
+        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+        chunk = max(1, min(max(17, max_prefill_tokens), self.max_num_batched_tokens))
+        edges = {1, 2, 3, 15, 16, 17, 255, 256, 257, 4095, 4096, 4097}
+        sizes = sorted(r for r in edges if r <= min(self.max_num_reqs, self.max_num_batched_tokens))
+        hidden = {}
+        steps = 0
+
+        def run(feed: dict) -> None:
+            nonlocal steps
+            plan = self.begin_step(feed)
+            try:
+                n = plan.num_tokens
+                if n not in hidden:
+                    hidden[n] = torch.zeros(n, self.layers[0].config.hidden_size, dtype=self.dtype, device=self.device)
+                for i in range(len(self.layers)):
+                    self.run_layer(i, hidden[n])
+            except BaseException:
+                self.abort_step()
+                raise
+            self.end_step()
+            steps += 1
+
+        budget, room = self.max_num_batched_tokens, self.max_model_len
+        for R in sizes:
+            ids = [("warmup", R, j) for j in range(R)]
+            try:
+                # step token counts of each class next to R: R itself, the next multiple of 16
+                # above R, and one more (as extra tokens of request 0)
+                up = (R // 16 + 1) * 16
+                extras = (0, up - R, up - R + 1)
+                for extra in extras:  # prefill-only steps of R new requests
+                    if R + extra <= budget and 1 + extra <= min(chunk, room):
+                        run({rid: 1 + extra * (j == 0) for j, rid in enumerate(ids)})
+                        for rid in ids:
+                            self.free(rid)
+                # contexts past the window and the first compressed entries (one long, the rest short)
+                run({ids[0]: max(1, min(chunk, room - 2 * up))})
+                per = max(1, budget // 9)
+                for k in range(1, R, per):
+                    run({rid: max(1, min(9, room - 2 * up)) for rid in ids[k:k + per]})
+                # decode-only (every request one token) and mixed steps (request 0 a chunk)
+                for extra in extras:
+                    if R + extra <= budget and 1 + extra <= chunk and self.seq_len(ids[0]) + 1 + extra <= room:
+                        run({rid: 1 + extra * (j == 0) for j, rid in enumerate(ids)})
+            except PoolExhaustedError:
+                break  # no room for R requests: larger batches do not fit either
+            finally:
+                for rid in ids:
+                    if rid in self.manager:
+                        self.free(rid)
+        return steps
+
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
         """Serve decode-only steps (every request one new token) through CUDA graphs captured per
         batch-size bucket (see :mod:`dsv4attn.serving.graphs`); ``capture=False`` runs the same
@@ -587,7 +658,8 @@ class PagedAttentionEngine:
                     gtables[r], gpos[r] = t, sp
             return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, gtables, bucket,
                             gpos)
-        tables = {g: m.block_table(order, g, device=dev) for g in (GROUP_SWA, GROUP_FULL_MLA) if g in self.num_blocks}
+        tables = {g: m.block_table(order, g, device=dev, align=TABLE_ALIGN) for g in (GROUP_SWA, GROUP_FULL_MLA)
+                  if g in self.num_blocks}
         batch = BatchMetadata.from_requests(qlens, seq_lens, tables, swa_block_size=self.cache_config.swa_block_size,
                                             num_speculative_tokens=self.num_speculative_tokens, device=dev)
         meta = self.builder.build(batch, impl=self.impl)
@@ -598,7 +670,7 @@ class PagedAttentionEngine:
             if g not in self.num_blocks:
                 continue
             firsts, shift = state_window([starts[rid] for rid in order], qlens, r, self._tokens_per_block[g])
-            state_tables[r] = m.block_table(order, g, device=dev, first_cols=firsts)
+            state_tables[r] = m.block_table(order, g, device=dev, first_cols=firsts, align=TABLE_ALIGN)
             state_positions[r] = (batch.positions_cpu - shift).to(dev)
         return StepPlan(tuple(order), tuple(qlens), tuple(starts[rid] for rid in order), meta, state_tables,
                         None, state_positions)

@@ -226,6 +226,11 @@ class PagedDeepseekV4:
         """Accept every token of ``request`` in the caches (see :meth:`PagedAttentionEngine.commit`)."""
         return self.engine.commit(request)
 
+    def warmup(self, max_prefill_tokens: int = 64) -> int:
+        """Compile every attention kernel specialisation serving meets before serving (see
+        :meth:`PagedAttentionEngine.warmup`); call it with no request live. Returns the steps run."""
+        return self.engine.warmup(max_prefill_tokens)
+
     def enable_cuda_graphs(self, buckets: Sequence[int] | None = None, capture: bool = True) -> None:
         """Run decode-only steps' attention through CUDA graphs per batch-size bucket (padded);
         see :meth:`PagedAttentionEngine.enable_cuda_graphs`."""

@@ -6,6 +6,8 @@
 - :mod:`dsv4attn.testing.attention_oracle`: adversarial candidate sets (permuted block tables,
   NaN-poisoned unused pages, sentinel block-table columns, -1 holes) and a plain-Python fp64
   oracle of the sparse MLA attention with sink.
+- :mod:`dsv4attn.testing.triton_specs`: the Triton kernel specialisations (what a GPU compiles)
+  of the launches a block of code makes, recorded on CPU under the interpreter.
 - :mod:`dsv4attn.testing.tolerance`: how results are compared (max-abs error relative to the
   reference's scale; the bf16 rule "our error <= factor x the reference's own bf16 error").
 
