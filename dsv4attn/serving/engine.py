@@ -607,8 +607,10 @@ class PagedAttentionEngine:
                     run({rid: max(1, min(9, room - 2 * up)) for rid in ids[k:k + per]})
                 # decode-only (every request one token) and mixed steps (request 0 a chunk)
                 for extra in extras:
-                    if R + extra <= budget and 1 + extra <= chunk and self.seq_len(ids[0]) + 1 + extra <= room:
-                        run({rid: 1 + extra * (j == 0) for j, rid in enumerate(ids)})
+                    feed = {rid: 1 + extra * (j == 0) for j, rid in enumerate(ids)}
+                    if R + extra <= budget and 1 + extra <= chunk and all(
+                            self.seq_len(r) + n <= room for r, n in feed.items()):
+                        run(feed)
             except PoolExhaustedError:
                 break  # no room for R requests: larger batches do not fit either
             finally:
