@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s on the H200) for the serving work (issue "Serve a whole model"):
-#   bash scripts/gpu_serving.sh [steps...]     steps: graphs kernels profile bench generate (default: all but generate)
+#   bash scripts/gpu_serving.sh [steps...]     steps: graphs kernels profile bench generate prefix
+#                                               (default: graphs kernels profile bench)
 # graphs:  the GPU tests of the CUDA-graph and speculative paths, alone on the GPU (their
 #          bit-for-bit replay tests take ~90 s each and time out when other tests share the GPU);
 # kernels: the serving kernels' and the layer path's tests on compiled kernels;
 # profile: kernels per replayed layer step (scripts/step_profile.py);
 # bench:   benchmarks.bench_model decode (eager + graph replay) and prefill;
-# generate: bench_model's generate-throughput table (long; run it in a call of its own).
+# generate: bench_model's generate-throughput table (long; run it in a call of its own);
+# prefix:  the GPU tests of prefix caching (captured graphs with a request started from a hold)
+#          and of the warm-up (no compile while serving), then benchmarks.bench_prefix.
 # Logs go to $OUT (device tool) or ./out.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -27,6 +30,9 @@ for step in $steps; do
            grep "graph\|prefill" "$out/bench_model.txt" ;;
     generate) timeout 500 python3 -m benchmarks.bench_model --skip decode,prefill > "$out/generate.txt" 2>&1
               tail -n 5 "$out/generate.txt" ;;
+    prefix) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_prefix_cache.py tests/test_warmup.py \
+              2>&1 | tail -n 20 > "$out/prefix.txt"; tail -n 3 "$out/prefix.txt"
+            timeout 150 python3 -m benchmarks.bench_prefix > "$out/bench_prefix.txt" 2>&1; grep "^|" "$out/bench_prefix.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done
