@@ -135,8 +135,10 @@ def test_nothing_compiles_while_serving_after_warmup_gpu(kv):
         for m in pkgutil.iter_modules(kernels_pkg.__path__):
             mod = importlib.import_module(f"dsv4attn.kernels.{m.name}")
             for obj in vars(mod).values():
+                while not hasattr(obj, "device_caches") and hasattr(obj, "fn"):  # autotuner / heuristics wrappers
+                    obj = obj.fn
                 for cache in getattr(obj, "device_caches", {}).values():
-                    n += len(cache[0])
+                    n += len(cache[0])  # the per-device dict of compiled binaries
         return n
 
     layers = tiny_attention_layers(3)
