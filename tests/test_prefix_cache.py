@@ -85,35 +85,47 @@ def test_started_request_equals_a_cold_run_bit_for_bit(layers, kv):
     assert _pools_full(e) and e.prefix_holds == []
 
 
-def test_started_request_through_the_static_decode_step(layers):
-    """Decodes of a request started from a hold go through the CUDA-graph decode step (run
-    eagerly here: capture=False, the same static tables and kernels) and equal a cold run's."""
-    torch.manual_seed(6)
-    x, y = torch.randn(700, 32), torch.randn(700, 32)
+def _started_vs_cold_decodes(make_engine, x, y, maker_decodes: int, end: int) -> None:
+    """A request "b" started from a hold of "a"'s first G tokens (after "a" decoded
+    ``maker_decodes`` more tokens and left) against "b" computing its prefix itself: a chunk to
+    270, then decodes to ``end`` through the engine's CUDA-graph decode step (bucket 1); every
+    layer's output bit for bit."""
     runs = []
     for cached in (False, True):
-        e = _engine(layers, max_cached_prefixes=1, num_blocks=16)
-        e.enable_cuda_graphs(buckets=(1, 2), capture=False)
+        e = make_engine()
         if cached:
             _step(e, {"a": x[:G]})
             hold = e.save_prefix("a", G)
-            for t in range(G, G + 20):  # "a" decodes on, then leaves; "b" starts from the hold
+            for t in range(G, G + maker_decodes):
                 _step(e, {"a": y[t:t + 1]})
             e.free("a")
             e.add_request("b", hold)
             e.release_prefix(hold)  # "b" keeps what it shares
         else:
-            _step(e, {"b": x[:G]})  # cold: "b" computes its prefix itself
+            _step(e, {"b": x[:G]})
         outs = [_step(e, {"b": x[G:270]})["b"]]
-        for t in range(270, 290):
+        for t in range(270, end):
             plan = e.begin_step({"b": 1})
-            assert plan.bucket == 1  # the static decode step
-            outs.append([e.run_layer(i, x[t:t + 1]) for i in range(3)])
+            assert plan.bucket == 1  # the graph decode step
+            outs.append([e.run_layer(i, x[t:t + 1]) for i in range(len(e.layers))])
             e.end_step()
         runs.append(outs)
         e.free("b")
         assert _pools_full(e)
     assert all(_same(g, w) for g, w in zip(runs[1], runs[0]))
+
+
+def test_started_request_through_the_static_decode_step(layers):
+    """Decodes of a request started from a hold go through the CUDA-graph decode step (run
+    eagerly here: capture=False, the same static tables and kernels) and equal a cold run's."""
+    torch.manual_seed(6)
+
+    def make():
+        e = _engine(layers, max_cached_prefixes=1, num_blocks=16)
+        e.enable_cuda_graphs(buckets=(1, 2), capture=False)
+        return e
+
+    _started_vs_cold_decodes(make, torch.randn(700, 32), torch.randn(700, 32), 20, 290)
 
 
 def test_two_requests_share_a_hold_while_both_run(layers):
@@ -404,31 +416,16 @@ def test_started_request_replays_captured_graphs_like_a_cold_run(kv):
     hs = layers[0].config.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, y = (torch.randn(700, hs, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    runs = []
-    for cached in (False, True):
+
+    def make():
         e = PagedAttentionEngine(layers, kv, max_model_len=700, max_num_reqs=4, max_num_batched_tokens=300,
                                  num_blocks=16, max_cached_prefixes=1)
-        e.enable_cuda_graphs(buckets=(1, 2))
-        if cached:
-            _step(e, {"a": x[:G]})
-            hold = e.save_prefix("a", G)
-            for t in range(G, G + 150):  # "a" decodes on (replays), then leaves
-                _step(e, {"a": y[t:t + 1]})
-            e.free("a")
-            e.add_request("b", hold)
-            e.release_prefix(hold)
-        else:
-            _step(e, {"b": x[:G]})
-        outs = [_step(e, {"b": x[G:270]})["b"]]
-        for t in range(270, 400):  # through SWA-block, compression and 128 boundaries
-            plan = e.begin_step({"b": 1})
-            assert plan.bucket == 1
-            outs.append([e.run_layer(i, x[t:t + 1]) for i in range(len(layers))])
-            e.end_step()
-        runs.append(outs)
-        e.free("b")
-        assert _pools_full(e)
-    assert all(_same(g, w) for g, w in zip(runs[1], runs[0]))
+        e.enable_cuda_graphs(buckets=(1, 2))  # captured before any request exists
+        return e
+
+    # "a" decodes 150 tokens (replays) before leaving; "b" decodes through SWA-block,
+    # compression and 128 boundaries
+    _started_vs_cold_decodes(make, x, y, 150, 400)
 
 
 def test_distributed_wrappers_refuse_prefix_caching(layers):
