@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from benchmarks.common import Row, base_parser, median_us, print_table, serving_setup
 from dsv4attn.config import AttentionConfig
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.serving.engine import PagedAttentionEngine
@@ -199,10 +199,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1, help="layers of each kind (default 1)")
     p.add_argument("--skip", default="", help="comma list of decode,prefill,generate to skip")
     args = p.parse_args()
-    args.small = args.small or args.smoke
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ceil = Ceilings() if args.no_ceilings or dev.type != "cuda" else Ceilings.measure()
+    dev, dtype, ceil = serving_setup(args)
     kinds = ("sliding", "csa", "hca") * args.layers
     cfg = flash_config(kinds, args.small)
     layers = make_layers(cfg, dev, dtype)

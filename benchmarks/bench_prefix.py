@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.bench_model import flash_config, make_layers
-from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from benchmarks.common import Row, base_parser, median_us, print_table, serving_setup
 from dsv4attn.serving.engine import PagedAttentionEngine
 
 
@@ -71,10 +71,7 @@ def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="toy dims and sizes (CPU ok)")
     args = p.parse_args()
-    args.small = args.small or args.smoke
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ceil = Ceilings() if args.no_ceilings or dev.type != "cuda" else Ceilings.measure()
+    dev, dtype, ceil = serving_setup(args)
     cfg = flash_config(("sliding", "csa", "hca"), args.small)
     layers = make_layers(cfg, dev, dtype)
     cases = [(256, 64)] if args.small else [(8192, 256), (8192, 1024), (32768, 1024)]

@@ -25,7 +25,7 @@ import time
 import torch
 
 from benchmarks.bench_model import decode_engine, flash_config, floor_row, make_layers
-from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from benchmarks.common import Row, base_parser, median_us, print_table, serving_setup
 from dsv4attn.serving.paged import layer_step
 
 K_MAX = 3
@@ -109,10 +109,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="toy dims and sizes (CPU ok)")
     p.add_argument("--ctx", type=int, default=None, help="context per request (default 4096; --small 300)")
     args = p.parse_args()
-    args.small = args.small or args.smoke
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ceil = Ceilings() if args.no_ceilings or dev.type != "cuda" else Ceilings.measure()
+    dev, dtype, ceil = serving_setup(args)
     cfg = flash_config(("sliding", "csa", "hca"), args.small)
     layers = make_layers(cfg, dev, dtype)
     ctx = args.ctx or (300 if args.small else 4096)

@@ -104,3 +104,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny sizes; checks the script runs (CPU ok)")
     p.add_argument("--no-ceilings", action="store_true", help="use the recorded H200 ceilings")
     return p
+
+
+def serving_setup(args) -> tuple:
+    """``(device, dtype, ceilings)`` of the serving benchmarks: CUDA in bf16 with measured
+    ceilings when present, else CPU in fp32 without; sets ``args.small`` under ``--smoke``."""
+    import torch
+
+    args.small = getattr(args, "small", False) or args.smoke
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ceil = Ceilings() if args.no_ceilings or dev.type != "cuda" else Ceilings.measure()
+    return dev, dtype, ceil
