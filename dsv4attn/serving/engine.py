@@ -47,7 +47,7 @@ from dsv4attn.kv_cache.specs import (
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.serving.paged import LayerCaches, alloc_layer_caches, layer_step, state_window
+from dsv4attn.serving.paged import CACHE_FIELD_SPECS, LayerCaches, alloc_layer_caches, layer_step, state_window
 from dsv4attn.serving.prefix_cache import PrefixBlob
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
@@ -380,24 +380,18 @@ class PagedAttentionEngine:
         self._holds = [h for h in self._holds if h is not hold]
         return freed
 
-    #: LayerCaches fields and the cache group each one's blocks come from (state: by ratio).
-    _CACHE_FIELDS = ("swa", "compressed", "indexer_k", "state", "indexer_state")
-
-    def _field_group(self, field: str, ratio: int) -> str:
-        return {"swa": GROUP_SWA, "compressed": GROUP_FULL_MLA, "indexer_k": GROUP_FULL_MLA,
-                "indexer_state": GROUP_C4_STATE}.get(field) or _STATE_GROUP[ratio]
+    def _field_groups(self, i: int) -> dict[str, str]:
+        """Layer ``i``'s cache fields (those it has) -> the group whose block ids index them."""
+        specs = {sp.name: sp.group for sp in layer_cache_specs(self.cache_config, i)}
+        return {f: specs[n] for f, n in CACHE_FIELD_SPECS.items() if n in specs}
 
     def _cache_signature(self) -> tuple:
         """What must match for another engine's pages to be read here: cache dtype, groups,
         and per layer each cache's group, entry shape, dtype and page size."""
         layers = []
-        for layer, c in zip(self.layers, self.caches):
-            row = []
-            for f in self._CACHE_FIELDS:
-                t = getattr(c, f)
-                if t is not None:
-                    row.append((f, self._field_group(f, layer.ratio), tuple(t.shape[1:]), str(t.dtype),
-                                _page_numel(t) * t.element_size()))
+        for i, (layer, c) in enumerate(zip(self.layers, self.caches)):
+            row = [(f, g, tuple(getattr(c, f).shape[1:]), str(getattr(c, f).dtype),
+                    _page_numel(getattr(c, f)) * getattr(c, f).element_size()) for f, g in self._field_groups(i).items()]
             layers.append((layer.ratio, tuple(row)))
         groups = tuple((g.name, g.kind, g.tokens_per_block, g.window) for g in self.manager.groups)
         return (self.kv_cache_dtype, groups, tuple(layers))
@@ -411,14 +405,8 @@ class PagedAttentionEngine:
             raise ValueError("hold is not a live prefix hold of this engine (released already, or another engine's)")
         ids = {g.name: torch.tensor([b for b in hold.block_ids(g.name) if b >= 0], dtype=torch.long,
                                     device=self.device) for g in self.manager.groups}
-        pages = []
-        for layer, c in zip(self.layers, self.caches):
-            out = {}
-            for f in self._CACHE_FIELDS:
-                t = getattr(c, f)
-                if t is not None:
-                    out[f] = _pages(t).index_select(0, ids[self._field_group(f, layer.ratio)]).to(device)
-            pages.append(out)
+        pages = [{f: _pages(getattr(c, f)).index_select(0, ids[g]).to(device) for f, g in self._field_groups(i).items()}
+                 for i, c in enumerate(self.caches)]
         columns = {g.name: tuple(b >= 0 for b in hold.block_ids(g.name)) for g in self.manager.groups}
         return PrefixBlob(hold.num_tokens, columns, tuple(pages), self._cache_signature())
 
@@ -440,26 +428,27 @@ class PagedAttentionEngine:
         if len(self._holds) >= self.max_cached_prefixes:
             raise ValueError(f"{len(self._holds)} prefix holds are live, max_cached_prefixes="
                              f"{self.max_cached_prefixes}: release one (release_prefix) or raise max_cached_prefixes")
-        groups = {g.name for g in self.manager.groups}
-        if not isinstance(blob.columns, Mapping) or set(blob.columns) != groups:
-            raise ValueError(f"blob.columns must name exactly the groups {sorted(groups)}")
+        names = {g.name for g in self.manager.groups}
+        if not isinstance(blob.columns, Mapping) or set(blob.columns) != names:
+            raise ValueError(f"blob.columns must name exactly the groups {sorted(names)}")
         if not isinstance(blob.pages, Sequence) or len(blob.pages) != len(self.layers):
             raise ValueError(f"blob.pages must hold one entry per layer ({len(self.layers)})")
         for i, layer_pages in enumerate(blob.pages):  # shapes checked before any block is taken
-            have = [f for f in self._CACHE_FIELDS if getattr(self.caches[i], f) is not None]
-            if not isinstance(layer_pages, Mapping) or sorted(layer_pages) != sorted(have):
-                raise ValueError(f"blob.pages[{i}] must hold the caches {have}")
+            groups = self._field_groups(i)
+            if not isinstance(layer_pages, Mapping) or sorted(layer_pages) != sorted(groups):
+                raise ValueError(f"blob.pages[{i}] must hold the caches {sorted(groups)}")
             for f, t in layer_pages.items():
-                n = sum(blob.columns[self._field_group(f, self.layers[i].ratio)])
+                n = sum(blob.columns[groups[f]])
                 want = (n, _page_numel(getattr(self.caches[i], f)))
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != getattr(self.caches[i], f).dtype:
                     raise ValueError(f"blob.pages[{i}][{f!r}] must be a {want} tensor of the cache's dtype")
         hold = self.manager.new_prefix(blob.num_tokens, blob.columns)
         ids = {g.name: torch.tensor([b for b in hold.block_ids(g.name) if b >= 0], dtype=torch.long,
                                     device=self.device) for g in self.manager.groups}
-        for layer, c, layer_pages in zip(self.layers, self.caches, blob.pages):
+        for i, (c, layer_pages) in enumerate(zip(self.caches, blob.pages)):
+            groups = self._field_groups(i)
             for f, t in layer_pages.items():
-                _pages(getattr(c, f)).index_copy_(0, ids[self._field_group(f, layer.ratio)], t.to(self.device))
+                _pages(getattr(c, f)).index_copy_(0, ids[groups[f]], t.to(self.device))
         self._holds.append(hold)
         return hold
 

@@ -65,6 +65,12 @@ class LayerCaches:
     indexer_state: torch.Tensor | None = None
 
 
+#: LayerCaches field -> the name of its cache spec (``kv_cache.specs.layer_cache_specs``), whose
+#: ``group`` says which allocation group's block ids index it.
+CACHE_FIELD_SPECS = {"swa": "swa_kv", "compressed": "compressed_kv", "indexer_k": "indexer_k",
+                     "state": "compressor_state", "indexer_state": "indexer_compressor_state"}
+
+
 def alloc_layer_caches(layer: DeepseekV4Attention, specs: Mapping[str, CacheSpec], kv_cache_dtype: str,
                        blocks: Callable[[str], int], device: torch.device, dtype: torch.dtype) -> LayerCaches:
     """A layer's caches, one per spec of ``layer_cache_specs`` (by name), each with
