@@ -608,3 +608,20 @@ def test_random_hold_programs_keep_reference_counts(k):
             m.release_prefix(h)
         assert m.pool.num_free == POOL and not m.pool._refs
     assert made > 50  # the programs do take holds
+
+
+def test_sizing_and_table_arguments_refuse_bad_values():
+    from dsv4attn.kv_cache.accounting import plan_num_blocks
+
+    cfg = CacheConfig(compress_ratios=(1, 4, 128), head_dim=80, rope_dim=16, index_head_dim=32, sliding_window=128)
+    kw = dict(max_num_reqs=2, max_num_batched_tokens=64, max_model_len=512)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="prefix_holds"):
+            plan_num_blocks(cfg, prefix_holds=bad, **kw)
+    assert plan_num_blocks(cfg, prefix_holds=3, **kw)["swa"] > plan_num_blocks(cfg, **kw)["swa"]
+    m = KVCacheManager(cache_groups(cfg), 256)
+    m.add_request("a", 300)
+    for bad in (0, -16, True):
+        with pytest.raises(ValueError, match="align"):
+            m.block_table(["a"], "swa", align=bad)
+    assert m.block_table(["a"], "swa", align=16).shape == (1, 16)
