@@ -5,7 +5,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips] [--quick]   # from the repository root; graph-replay times
+    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill]   # from the repository root; graph-replay times
 """
 
 from __future__ import annotations
@@ -68,8 +68,50 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
     return out
 
 
+def prefill_variants() -> None:
+    """Prefill rows of benchmarks/bench_vs_flashmla.py (4096 query tokens, one indices-form set of
+    top-k rows out of 16384, sink) on bf16 pages (FlashMLA's ``flash_mla_sparse_fwd`` input) and
+    the same rows as fp8 pages: the warp-specialised kernel against the single-partition one."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s_q, s_kv = 4096, 16384
+    for h in (64, 128):
+        for topk in (512, 2048):
+            kv = torch.randn(s_kv // BLOCK, BLOCK, D, device="cuda", generator=gen).to(torch.bfloat16)
+            idx = torch.rand(s_q, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)
+            q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+            sink = torch.randn(h, device="cuda", generator=gen)
+            lengths = torch.full((s_q,), topk, dtype=torch.int32, device="cuda")
+            pages = {"bf16": kv, "fp8": dsv4attn.quantize_fp8_ds_mla(kv)}
+            for kind, cache in pages.items():
+                sets = [CandidateSet(cache=cache, lengths=lengths, indices=idx)]
+                base = kernel_config(s_q, h, D, topk, q.device)
+                out = torch.empty_like(q)
+                lse = torch.empty(s_q, h, device="cuda")
+                ref = None
+                for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
+                    cfg = dataclasses.replace(base, **over)
+                    try:
+                        launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+                        if ref is None:
+                            ref = (out.float().clone(), lse.clone())
+                        d_o = (out.float() - ref[0]).abs().max().item()
+                        d_l = (lse - ref[1]).abs().max().item()
+                        us = _graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg))
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
+                              flush=True)
+                        continue
+                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:18s}: {us:9.1f} us   |d out| {d_o:.1e} "
+                          f"|d lse| {d_l:.1e} (vs single-partition)", flush=True)
+
+
 def main() -> None:
     import sys
+
+    if "--prefill" in sys.argv:
+        prefill_variants()
+        return
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only

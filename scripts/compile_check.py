@@ -89,7 +89,7 @@ def compile_sm90() -> int:
 
     failures = n = 0
     kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False,)))
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),

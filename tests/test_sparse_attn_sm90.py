@@ -50,12 +50,14 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
 
 
 def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
-    """``sm90``: a Gluon kernel (``ws``: the warp-specialised fp8 one) or the portable one."""
+    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages;
+    else the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
     assert cfg.sm90 is True and cfg.sm90_ws is True
+    assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws)
+                       sm90_ws=ws, sm90_ws_bf16=ws)
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -70,8 +72,7 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 @pytest.mark.parametrize("variant", ["ws", "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Both Gluon kernels (fp8 pages: warp-specialised or single-partition; bf16 pages always
-    run the single-partition kernel)."""
+    """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
     out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")

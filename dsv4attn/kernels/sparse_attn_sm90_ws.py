@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
-    BLOCK_H, BLOCK_N, HEAD_DIM, LN2, MMA_SMEM, NOPE, VEC_SMEM, _cta_barrier, _extent,
+    BLOCK_H, BLOCK_N, HEAD_DIM, LN2, MMA_SMEM, NOPE, VEC_SMEM, _async_load, _cta_barrier, _extent,
 )
 
 #: Warps of the default partition (warpgroup 0); warpgroup 1 and the producer run on top, with
@@ -172,23 +173,83 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     return it
 
 
+# bf16 pages: [64 rows, 512] bf16 copied with cp.async, 16 bytes per thread per row, 8 rows per
+# pass of the 4 producer warps.
+KB4_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+KB4_ROW = gl.constexpr(gl.SliceLayout(1, KB4_L))
+
+
+@gluon.jit
+def _chunk_rows(i, split, num_splits):
+    """Candidate positions of this split's chunk ``i`` (chunk ``split + i * num_splits``)."""
+    return (split + i * num_splits) * BLOCK_N + gl.arange(0, BLOCK_N, layout=KB4_ROW)
+
+
+@gluon.jit
+def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                      cache_ptr, stride_blk, stride_entry, block_size, capacity,
+                      idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
+                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+    """bf16 pages: per chunk, wait for a free K stage, copy the rows straight into it with
+    ``cp.async`` (invalid candidates zero-filled, never read), wait for the copies and hand the
+    stage over. Nothing to dequantise, so the producer only needs to run one chunk ahead: the
+    copy of chunk c+1 lands while the consumers multiply chunk c. Slot lookups read one chunk
+    ahead."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = gl.maximum(gl.cdiv(gl.cdiv(length, BLOCK_N) - split, num_splits), 0)
+    d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
+    x = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    for i in range(n_mine):
+        blk, off, valid = _candidate_place(x, _chunk_rows(i, split, num_splits), start, block_size, capacity,
+                                           IS_RANGE)
+        x = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                             stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
+        _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
+        cp.commit_group()
+        valid_bufs.index(st).store(valid.to(gl.int8))
+        cp.wait_group(0)
+        fence_async_shared()  # the copies (generic proxy), before the consumers' wgmma reads
+        _cta_barrier()
+        mbarrier.arrive(full.index(st))
+        it += 1
+    return it
+
+
 @gluon.jit
 def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
-              a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+              a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
               a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
               a_start_ptr,
-              b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
+              b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, PREFETCH: gl.constexpr):
-    it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                      a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width, a_len_ptr,
-                      a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE, A_LEN, PREFETCH)
-    if HAS_B:
-        _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                     b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width, b_len_ptr,
-                     b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE, B_LEN, PREFETCH)
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr):
+    if PAGES_BF16:
+        it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                               a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
+                               a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN)
+        if HAS_B:
+            _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                              b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
+                              b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
+    else:
+        it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                          a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
+                          a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE,
+                          A_LEN, PREFETCH)
+        if HAS_B:
+            _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                         b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
+                         b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE,
+                         B_LEN, PREFETCH)
 
 
 HALF_V = gl.constexpr(256)
@@ -373,6 +434,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
+    PAGES_BF16: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout in both sets; launched with
@@ -415,11 +477,11 @@ def _sparse_mla_attn_sm90_ws_kernel(
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
         (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                     a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                     a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
                      a_req_ptr, a_start_ptr,
-                     b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
+                     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

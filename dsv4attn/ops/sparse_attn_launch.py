@@ -63,6 +63,9 @@ class KernelConfig:
     #: dequantises, warpgroup 0 computes S and the softmax, warpgroup 1 the other half of P V);
     #: False: the single-partition one.
     sm90_ws: bool = True
+    #: On bf16 pages, run the warp-specialised kernel too (its producer copies rows with
+    #: ``cp.async`` instead of dequantising); False: the single-partition one.
+    sm90_ws_bf16: bool = True
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
@@ -354,9 +357,10 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
-        ws = cfg.sm90_ws and a.is_fp8 and cfg.sm90_skip == 0
+        ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
+        extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(
+            PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
