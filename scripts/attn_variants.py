@@ -18,6 +18,7 @@ import torch
 import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
 from benchmarks.common import median_us
+from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
 
@@ -32,6 +33,7 @@ VARIANTS = [
     ("default", {}),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
+    ("ws async S", dict(sm90_async_s=True)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
 #: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
@@ -81,7 +83,7 @@ def prefill_variants() -> None:
             q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
             sink = torch.randn(h, device="cuda", generator=gen)
             lengths = torch.full((s_q,), topk, dtype=torch.int32, device="cuda")
-            pages = {"bf16": kv, "fp8": dsv4attn.quantize_fp8_ds_mla(kv)}
+            pages = {"bf16": kv, "fp8": quantize_fp8_ds_mla(kv)}
             for kind, cache in pages.items():
                 sets = [CandidateSet(cache=cache, lengths=lengths, indices=idx)]
                 base = kernel_config(s_q, h, D, topk, q.device)
@@ -89,7 +91,12 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
-                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
+                                    ("ws 64", dict(sm90_chunk=64, sm90_async_s=False)),
+                                    ("ws 64 async S", dict(sm90_chunk=64, sm90_async_s=True)),
+                                    ("ws 32", dict(sm90_chunk=32, sm90_async_s=False)),
+                                    ("ws 32 async S", dict(sm90_chunk=32, sm90_async_s=True))):
+                    if kind == "fp8" and "32" in label:
+                        continue
                     cfg = dataclasses.replace(base, **over)
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
@@ -115,7 +122,7 @@ def main() -> None:
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:3]
+        variants = VARIANTS[:4]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
