@@ -12,7 +12,7 @@ what a GPU with another architecture or another Triton release would hit on firs
     python3 -m scripts.compile_check compile specs.json [--targets 80,90] [--sm90]
 
 The Gluon sm90 kernels are not launched on CPU, so step 2 also compiles their variants (page kind x
-set forms x partial output; the warp-specialised one on fp8 pages) for sm_90 directly from their
+set forms x partial output, for both kernels) for sm_90 directly from their
 signatures (``compile --sm90``).
 """
 
@@ -77,8 +77,8 @@ def compile_all(path: str, targets: list[int]) -> int:
 
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
-    single-partition kernel (page kind x set forms x partial output) and the warp-specialised
-    fp8 one (set forms x partial output)."""
+    single-partition kernel and the warp-specialised one (page kind x set forms x partial
+    output; the warp-specialised kernel's tuning switches at their production values)."""
     import itertools
 
     import triton
@@ -96,7 +96,8 @@ def compile_sm90() -> int:
                                                                  (False, True)):
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
-            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("BN", 64),
+                                            ("ASYNC_S", False)) if k in names})
             sig = {}
             for a in names:
                 if a in const:

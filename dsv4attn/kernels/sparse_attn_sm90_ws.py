@@ -1,8 +1,8 @@
-"""Warp-specialised Hopper (sm90) sparse MLA attention kernel in Gluon, fp8 pages.
+"""Warp-specialised Hopper (sm90) sparse MLA attention kernel in Gluon, fp8 and bf16 pages.
 
 Same grid, arguments and outputs as :func:`dsv4attn.kernels.sparse_attn_sm90._sparse_mla_attn_sm90_kernel`
-on fp8 pages of the 448 + 64 layout (the launcher picks one or the other; bf16 pages keep the
-single-partition kernel, which has no dequantisation to overlap). One CTA of 12 warps in three
+on fp8 pages of the 448 + 64 layout or bf16 pages (the launcher picks one or the other; on bf16
+pages the producer copies rows with ``cp.async`` instead of dequantising). One CTA of 12 warps in three
 partitions that share q, two K stages [64, 512] bf16, P and the per-chunk validity vectors in
 shared memory and hand work over with mbarriers (docs/design.md, "Attention kernel"):
 
@@ -501,9 +501,11 @@ def _sparse_mla_attn_sm90_ws_kernel(
     PAGES_BF16: gl.constexpr = False, BN: gl.constexpr = 64, ASYNC_S: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
-    single-partition kernel; fp8 pages of the 448 + 64 layout in both sets; launched with
-    ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top. ``PREFETCH``: the producer's
-    L2 prefetch (a tuning switch, on in production)."""
+    single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
+    in both sets; launched with ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top.
+    Tuning switches (measured in scripts/attn_variants.py): ``PREFETCH`` the producer's L2
+    prefetch (on); ``BN`` candidates per chunk (64; 32 on bf16 pages only); ``ASYNC_S`` the
+    logits of chunk c+1 computed while chunk c's softmax runs (off: slower, Table 23)."""
     # K stages fill 128 KB: two of 64 rows or four of 32 (BN 32: bf16 pages only, the fp8
     # producer dequantises 64-row chunks; the launcher never asks for it on fp8 pages).
     STAGES: gl.constexpr = 128 // BN
