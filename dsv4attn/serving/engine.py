@@ -390,8 +390,9 @@ class PagedAttentionEngine:
         and per layer each cache's group, entry shape, dtype and page size."""
         layers = []
         for i, (layer, c) in enumerate(zip(self.layers, self.caches)):
-            row = [(f, g, tuple(getattr(c, f).shape[1:]), str(getattr(c, f).dtype),
-                    _page_numel(getattr(c, f)) * getattr(c, f).element_size()) for f, g in self._field_groups(i).items()]
+            tensors = {f: (g, getattr(c, f)) for f, g in self._field_groups(i).items()}
+            row = [(f, g, tuple(t.shape[1:]), str(t.dtype), _page_numel(t) * t.element_size())
+                   for f, (g, t) in tensors.items()]
             layers.append((layer.ratio, tuple(row)))
         groups = tuple((g.name, g.kind, g.tokens_per_block, g.window) for g in self.manager.groups)
         return (self.kv_cache_dtype, groups, tuple(layers))

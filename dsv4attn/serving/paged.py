@@ -66,7 +66,8 @@ class LayerCaches:
 
 
 #: LayerCaches field -> the name of its cache spec (``kv_cache.specs.layer_cache_specs``), whose
-#: ``group`` says which allocation group's block ids index it.
+#: ``group`` says which allocation group's block ids index it: the one field <-> spec table
+#: (allocation below, prefix export / import in the engine).
 CACHE_FIELD_SPECS = {"swa": "swa_kv", "compressed": "compressed_kv", "indexer_k": "indexer_k",
                      "state": "compressor_state", "indexer_state": "indexer_compressor_state"}
 
@@ -91,16 +92,16 @@ def alloc_layer_caches(layer: DeepseekV4Attention, specs: Mapping[str, CacheSpec
         s = specs[name]
         return torch.zeros(blocks(s.group), s.block_size, *s.row_shape, dtype=torch.float32, device=device)
 
-    caches = LayerCaches(kv_cache_dtype, layout, swa=kv_cache("swa_kv"))
+    caches = LayerCaches(kv_cache_dtype, layout, swa=kv_cache(CACHE_FIELD_SPECS["swa"]))
     if layer.ratio > 1:
-        caches.compressed = kv_cache("compressed_kv")
-        caches.state = state("compressor_state")
+        caches.compressed = kv_cache(CACHE_FIELD_SPECS["compressed"])
+        caches.state = state(CACHE_FIELD_SPECS["state"])
     if layer.ratio == 4:
-        s = specs["indexer_k"]
+        s = specs[CACHE_FIELD_SPECS["indexer_k"]]
         n = blocks(s.group)
         caches.indexer_k = (alloc_indexer_k_cache(n, s.block_size, cfg.index_head_dim, device=device) if fp8 else
                             torch.zeros(n, s.block_size, cfg.index_head_dim, dtype=dtype, device=device))
-        caches.indexer_state = state("indexer_compressor_state")
+        caches.indexer_state = state(CACHE_FIELD_SPECS["indexer_state"])
     return caches
 
 
