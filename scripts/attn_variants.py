@@ -33,7 +33,6 @@ VARIANTS = [
     ("default", {}),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
-    ("ws async S", dict(sm90_async_s=True)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
 #: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
@@ -91,12 +90,7 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
-                                    ("ws 64", dict(sm90_chunk=64, sm90_async_s=False)),
-                                    ("ws 64 async S", dict(sm90_chunk=64, sm90_async_s=True)),
-                                    ("ws 32", dict(sm90_chunk=32, sm90_async_s=False)),
-                                    ("ws 32 async S", dict(sm90_chunk=32, sm90_async_s=True))):
-                    if kind == "fp8" and "32" in label:
-                        continue
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
                     cfg = dataclasses.replace(base, **over)
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
@@ -122,7 +116,7 @@ def main() -> None:
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:4]
+        variants = VARIANTS[:3]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)

@@ -78,7 +78,7 @@ def compile_all(path: str, targets: list[int]) -> int:
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
-    output; the warp-specialised kernel's tuning switches at their production values)."""
+    output)."""
     import itertools
 
     import triton
@@ -96,8 +96,7 @@ def compile_sm90() -> int:
                                                                  (False, True)):
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
-            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("BN", 64),
-                                            ("ASYNC_S", False)) if k in names})
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
             sig = {}
             for a in names:
                 if a in const:

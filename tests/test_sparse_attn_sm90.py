@@ -49,12 +49,7 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-#: Warp-specialised variants tested besides the default: (chunk rows on bf16 pages, asynchronous S).
-WS_VARIANTS = {"ws": (64, False), "ws-async": (64, True), "ws-32": (32, False), "ws-32-async": (32, True)}
-
-
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True,
-         chunk: int = 64, async_s: bool = False):
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
     """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages;
     else the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
@@ -62,7 +57,7 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
     assert cfg.sm90 is True and cfg.sm90_ws is True
     assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws, sm90_ws_bf16=ws, sm90_chunk=chunk, sm90_async_s=async_s)
+                       sm90_ws=ws, sm90_ws_bf16=ws)
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -74,15 +69,13 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", [*WS_VARIANTS, "single"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Both Gluon kernels (warp-specialised, with its chunk / asynchronous-S variants, or
-    single-partition) on fp8 and on bf16 pages."""
+    """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
-    chunk, async_s = WS_VARIANTS.get(variant, (64, False))
-    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant != "single", chunk=chunk, async_s=async_s)
+    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")
     ref = oracle(q, built, 0.09, sink)
     assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
     p_out, p_lse = _run(q, built, sink, num_splits, False, device)
@@ -243,5 +236,4 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     constexprs = [n for n in real.arg_names if n.isupper()]
     assert grid == (3, 1) and nargs == len(real.arg_names) - len(constexprs)
     assert set(kw) == set(constexprs) | {"num_warps", "num_stages"}
-    if variant == "single":
-        assert kw["PAGES_BF16"] is False
+    assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel

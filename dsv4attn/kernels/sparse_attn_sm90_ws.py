@@ -33,9 +33,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
@@ -61,6 +59,13 @@ R_L = gl.constexpr(gl.SliceLayout(1, P_L))
 # L2 prefetch of a half-chunk: [32 rows, 8 addresses] (the row's 128-byte lines and its scale
 # word), two per thread.
 PF_L = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _n_mine(length, split, num_splits):
+    """How many of a set's ``length`` candidates' 64-row chunks split ``split`` takes (chunks
+    ``split, split + num_splits, ...``): the producer's and the consumers' one count."""
+    return gl.maximum(gl.cdiv(gl.cdiv(length, BLOCK_N) - split, num_splits), 0)
 
 
 @gluon.jit
@@ -137,7 +142,7 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     dequantisation, one step further ahead, spills the producer's registers.)"""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
-    n_mine = gl.maximum(gl.cdiv(gl.cdiv(length, BLOCK_N) - split, num_splits), 0)
+    n_mine = _n_mine(length, split, num_splits)
     x0 = _candidate_entry(t, _half_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
     x1 = _candidate_entry(t, _half_rows(1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
@@ -182,18 +187,16 @@ KB4_ROW = gl.constexpr(gl.SliceLayout(1, KB4_L))
 
 
 @gluon.jit
-def _chunk_rows(i, split, num_splits, BN: gl.constexpr):
-    """Candidate positions of this split's chunk ``i`` of ``BN`` rows (chunk ``split + i *
-    num_splits``)."""
-    return (split + i * num_splits) * BN + gl.arange(0, BN, layout=KB4_ROW)
+def _chunk_rows(i, split, num_splits):
+    """Candidate positions of this split's chunk ``i`` (chunk ``split + i * num_splits``)."""
+    return (split + i * num_splits) * BLOCK_N + gl.arange(0, BLOCK_N, layout=KB4_ROW)
 
 
 @gluon.jit
 def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, stride_entry, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
-                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, BN: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
     """bf16 pages: per chunk, wait for a free K stage, copy the rows straight into it with
     ``cp.async`` (invalid candidates zero-filled, never read), wait for the copies and hand the
     stage over. Nothing to dequantise, so the producer only needs to run one chunk ahead: the
@@ -201,17 +204,17 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     ahead."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
-    n_mine = gl.maximum(gl.cdiv(gl.cdiv(length, BN) - split, num_splits), 0)
+    n_mine = _n_mine(length, split, num_splits)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
-    x = _candidate_entry(t, _chunk_rows(0, split, num_splits, BN), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+    x = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                          max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
-        blk, off, valid = _candidate_place(x, _chunk_rows(i, split, num_splits, BN), start, block_size, capacity,
+        blk, off, valid = _candidate_place(x, _chunk_rows(i, split, num_splits), start, block_size, capacity,
                                            IS_RANGE)
-        x = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits, BN), idx_ptr, stride_idx, length, bt_ptr,
+        x = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        st = it % STAGES
-        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
         _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
         cp.commit_group()
@@ -233,18 +236,17 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr):
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr):
     if PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
                                a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN, BN, STAGES)
+                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN)
         if HAS_B:
             _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
                               b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN, BN, STAGES)
+                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
     else:
         it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
@@ -288,107 +290,55 @@ def _store_half_o(o, f, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t,
 
 
 @gluon.jit
-def _n_chunks(t, split, num_splits, width, len_ptr, max_blocks, num_reqs, req_ptr, start_ptr, block_size,
-              BN: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
-    """How many of one set's chunks of ``BN`` candidates split ``split`` takes (chunks ``split,
-    split + num_splits, ...``, as the producer walks them)."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
-    return gl.maximum(gl.cdiv(gl.cdiv(length, BN) - split, num_splits), 0)
-
-
-@gluon.jit
 def _n_total(t, split, num_splits,
              a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
              b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-             B_LEN: gl.constexpr, BN: gl.constexpr):
+             B_LEN: gl.constexpr):
     """The split's chunks over both sets, in the producer's order (each consumer partition counts
     them itself: computed before the partitions split, the set extents were shared with the
     producer and held in its registers across its loops, which made it spill)."""
-    n = _n_chunks(t, split, num_splits, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                  a_block_size, BN, A_RANGE, A_LEN)
+    _, length, _ = _extent(t, a_width, a_len_ptr, a_req_ptr, a_start_ptr, a_num_reqs, a_max_blocks, a_block_size,
+                           A_RANGE, A_LEN)
+    n = _n_mine(length, split, num_splits)
     if HAS_B:
-        n += _n_chunks(t, split, num_splits, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                       b_block_size, BN, B_RANGE, B_LEN)
+        _, length, _ = _extent(t, b_width, b_len_ptr, b_req_ptr, b_start_ptr, b_num_reqs, b_max_blocks,
+                               b_block_size, B_RANGE, B_LEN)
+        n += _n_mine(length, split, num_splits)
     return n
 
 
 @gluon.jit
-def _wg0_softmax(s, m_i, l_i, i, p_bufs, a_bufs, valid_buf, p_ready, p_free, qk_scale, S_L: gl.constexpr):
-    """Online softmax (base 2) of chunk ``i``'s logits ``s``; hands P (bf16) and the rescale
-    factors to warpgroup 1 through P buffer ``i % 2`` once warpgroup 1 has released that buffer
-    (its multiply of chunk i - 2 is done)."""
-    ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S_L)) != 0, 0)
-    s = gl.where(ok, s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p16 = p.to(gl.bfloat16)
-    b = i % 2
-    mbarrier.wait(p_free.index(b), ((i // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-    p_bufs.index(b).store(p16)
-    a_bufs.index(b).store(alpha)
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(p_ready.index(b))
-    return p16, alpha, m_new, l_i
-
-
-@gluon.jit
-def _wg0_last(s, o, m_i, l_i, i, st, k_bufs, p_bufs, a_bufs, valid_bufs, empty, p_ready, p_free, qk_scale,
-              S_L: gl.constexpr):
-    """Chunk ``i`` (stage ``st``) with its logits ``s`` done: softmax, ``O[:, :256] += P V``
-    (synchronous), release the stage."""
-    p16, alpha, m_i, l_i = _wg0_softmax(s, m_i, l_i, i, p_bufs, a_bufs, valid_bufs.index(st), p_ready, p_free,
-                                        qk_scale, S_L)
-    o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-    o = warpgroup_mma(gl.convert_layout(p16, P_A), k_bufs.index(st).slice(0, HALF_V, dim=1), o)
-    _cta_barrier()
-    mbarrier.arrive(empty.index(st))
-    return o, m_i, l_i
-
-
-@gluon.jit
-def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
-              BN: gl.constexpr, STAGES: gl.constexpr, ASYNC_S: gl.constexpr):
-    """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order).
-    ``ASYNC_S``: the logits of chunk i + 1 are computed (asynchronous wgmma) while chunk i's
-    softmax runs; needs a third K stage, or the producer could not refill the stage chunk i + 1
-    waits for in time."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    if ASYNC_S:
-        s = gl.zeros([BLOCK_H, BN], gl.float32, S_L)
-        if n > 0:
-            mbarrier.wait(full.index(0), 0)
-            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False)
-        for i in range(n - 1):
-            st = i % STAGES
-            nx = (i + 1) % STAGES
-            mbarrier.wait(full.index(nx), ((i + 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q_smem, k_bufs.index(nx).permute((1, 0)), gl.zeros([BLOCK_H, BN], gl.float32, S_L),
-                                   use_acc=False, is_async=True)
-            p16, alpha, m_i, l_i = _wg0_softmax(s, m_i, l_i, i, p_bufs, a_bufs, valid_bufs.index(st), p_ready,
-                                                p_free, qk_scale, S_L)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-            pa = gl.convert_layout(p16, P_A)
-            o = warpgroup_mma(pa, k_bufs.index(st).slice(0, HALF_V, dim=1), o, is_async=True)
-            s, o, pa = warpgroup_mma_wait(0, deps=[s_next, o, pa])
-            _cta_barrier()
-            mbarrier.arrive(empty.index(st))
-        if n > 0:
-            o, m_i, l_i = _wg0_last(s, o, m_i, l_i, n - 1, (n - 1) % STAGES, k_bufs, p_bufs, a_bufs, valid_bufs,
-                                    empty, p_ready, p_free, qk_scale, S_L)
-    else:
-        for i in range(n):
-            st = i % STAGES
-            mbarrier.wait(full.index(st), (i // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), gl.zeros([BLOCK_H, BN], gl.float32, S_L),
-                              use_acc=False)
-            o, m_i, l_i = _wg0_last(s, o, m_i, l_i, i, st, k_bufs, p_bufs, a_bufs, valid_bufs, empty, p_ready,
-                                    p_free, qk_scale, S_L)
+def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale):
+    """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
+    ``S = q K^T``, the online softmax (base 2), P and the rescale factors handed to warpgroup 1
+    through P buffer ``i % 2`` once warpgroup 1 has released it (its multiply of chunk i - 2 is
+    done), ``O[:, :256] += P V``, the stage released."""
+    for i in range(n):
+        st = i % 2
+        mbarrier.wait(full.index(st), (i // 2) & 1)
+        k_cur = k_bufs.index(st)
+        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+                          use_acc=False)
+        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
+        s = gl.where(ok, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.bfloat16)
+        mbarrier.wait(p_free.index(st), ((i // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        p_bufs.index(st).store(p16)
+        a_bufs.index(st).store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready.index(st))
+        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        o = warpgroup_mma(gl.convert_layout(p16, P_A), k_cur.slice(0, HALF_V, dim=1), o)
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))
     return o, m_i, l_i
 
 
@@ -400,14 +350,12 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         BN: gl.constexpr, STAGES: gl.constexpr, ASYNC_S: gl.constexpr):
+         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, BN)
+                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q4_L))
     for r in gl.static_range(0, BLOCK_H, 16):
         hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_L))
@@ -418,10 +366,10 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     fence_async_shared()
     _cta_barrier()
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_L))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
     o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-                            qk_scale, BN, STAGES, ASYNC_S)
+                            qk_scale)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
     m_o = gl.convert_layout(m_i, ROW_O)
     l_o = gl.convert_layout(l_i, ROW_O)
@@ -458,23 +406,22 @@ def _wg1(k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
     P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, BN)
+                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     for i in range(n):
-        st = i % STAGES
-        b = i % 2
-        mbarrier.wait(full.index(st), (i // STAGES) & 1)
-        mbarrier.wait(p_ready.index(b), (i // 2) & 1)
-        alpha = a_bufs.index(b).load(ROW_O)
+        st = i % 2
+        mbarrier.wait(full.index(st), (i // 2) & 1)
+        mbarrier.wait(p_ready.index(st), (i // 2) & 1)
+        alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
-        o = warpgroup_mma(p_bufs.index(b), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
+        o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
         _cta_barrier()
-        mbarrier.arrive(p_free.index(b))
+        mbarrier.arrive(p_free.index(st))
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O)
@@ -498,17 +445,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
-    PAGES_BF16: gl.constexpr = False, BN: gl.constexpr = 64, ASYNC_S: gl.constexpr = False,
+    PAGES_BF16: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
     in both sets; launched with ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top.
-    Tuning switches (measured in scripts/attn_variants.py): ``PREFETCH`` the producer's L2
-    prefetch (on); ``BN`` candidates per chunk (64; 32 on bf16 pages only); ``ASYNC_S`` the
-    logits of chunk c+1 computed while chunk c's softmax runs (off: slower, Table 23)."""
-    # K stages fill 128 KB: two of 64 rows or four of 32 (BN 32: bf16 pages only, the fp8
-    # producer dequantises 64-row chunks; the launcher never asks for it on fp8 pages).
-    STAGES: gl.constexpr = 128 // BN
+    ``PREFETCH``: the producer's L2 prefetch (a tuning switch, on in production)."""
     tiles = gl.cdiv(num_heads, BLOCK_H)
     t = gl.program_id(0) // tiles
     pid_h = gl.program_id(0) % tiles
@@ -516,21 +458,19 @@ def _sparse_mla_attn_sm90_ws_kernel(
     t64 = t.to(gl.int64)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, HEAD_DIM], MMA_SMEM)
-    P_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BN, element_bitwidth=16, rank=2)
-    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BN], P_SMEM)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], MMA_SMEM)
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
     f_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC_SMEM)
-    valid_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BN], VEC_SMEM)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(2):
         mbarrier.init(empty.index(i), count=2)
         mbarrier.init(full.index(i), count=1)
-    for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(fin.index(0), count=1)
@@ -543,12 +483,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
                 part_lse_ptr, sink_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, BN, STAGES, ASYNC_S)),
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
         (_wg1, (k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                 num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, BN, STAGES)),
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
         (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
                      a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -556,5 +496,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, BN, STAGES)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

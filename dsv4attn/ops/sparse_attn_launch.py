@@ -66,11 +66,6 @@ class KernelConfig:
     #: On bf16 pages, run the warp-specialised kernel too (its producer copies rows with
     #: ``cp.async`` instead of dequantising); False: the single-partition one.
     sm90_ws_bf16: bool = True
-    #: Warp-specialised kernel on bf16 pages: candidates per chunk (64: two K stages; 32: four)
-    #: and whether warpgroup 0 computes chunk c+1's logits while chunk c's softmax runs
-    #: (asynchronous wgmma; fp8 pages always run 64-row chunks).
-    sm90_chunk: int = 64
-    sm90_async_s: bool = False
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
@@ -364,15 +359,14 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, ASYNC_S=cfg.sm90_async_s,
-                     BN=64 if a.is_fp8 else cfg.sm90_chunk) if ws else dict(PAGES_BF16=not a.is_fp8,
-                                                                          SKIP=cfg.sm90_skip)
+        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
                 A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                 WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                 A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
+                PAGES_BF16=not a.is_fp8,
                 num_warps=warps, num_stages=1, **extra,
             )
             return
