@@ -58,7 +58,7 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
     both; "single" the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_ws_bf16 is True and cfg.sm90_pingpong is True
+    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_ws_bf16 is True and cfg.sm90_pingpong is False
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
                        sm90_ws=kind != "single", sm90_ws_bf16=kind != "single", sm90_pingpong=kind == "pp")
     sets = [b.cset for b in built]

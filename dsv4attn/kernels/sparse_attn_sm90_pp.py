@@ -11,15 +11,19 @@ i.e. the inputs of FlashMLA's ``flash_mla_sparse_fwd``. One CTA of 12 warps in t
   slot lookups run one pair of chunks ahead; invalid candidates are zero-filled, never read;
 - the two **consumer warpgroups** take turns: warpgroup 0 computes ``S = q K^T`` and the
   softmax of the even chunks, warpgroup 1 of the odd ones, so both run the same amount of
-  tensor-core work (in the warp-specialised kernel warpgroup 0 computes every S alone and is
-  the bottleneck). Each warpgroup owns half of the output columns (warpgroup 0 columns 0-255,
-  warpgroup 1 columns 256-511): it multiplies its own P from registers with its half of its own
-  chunk, then the other warpgroup's P, read from shared memory, with its half of the other
-  chunk. The row maxima are exchanged through shared memory (warpgroup 0 publishes the maximum
-  after chunk 2j, warpgroup 1 the one after chunk 2j+1, which is the pair's running maximum),
-  and warpgroup 0 rescales its P to that maximum before publishing it, so both accumulators
-  and both partial row sums stay relative to one running maximum. At the end warpgroup 1
-  publishes its row sums, warpgroup 0 the normalisation factors, and each writes its half.
+  tensor-core work (in the warp-specialised kernel warpgroup 0 computes every S alone). Each
+  warpgroup owns half of the output columns (warpgroup 0 columns 0-255, warpgroup 1 columns
+  256-511): it multiplies its own P from registers with its half of its own chunk, and the
+  other warpgroup's P, read from shared memory, with its half of the other chunk. Per pair of
+  chunks the row maximum goes round once through shared memory: warpgroup 0 publishes the
+  maximum after chunk 2j and goes on with its own product; warpgroup 1 takes the maximum over
+  chunk 2j+1 too (the pair's) and publishes it; warpgroup 0 then rescales its P to it before
+  publishing P, so both accumulators and both partial row sums stay relative to one running
+  maximum. The products are asynchronous wgmma: warpgroup 0 issues the next pair's logits
+  behind its last product of this pair, and each warpgroup computes its logits half by half
+  (256 dims each), starting with the half it released first, which is refilled first;
+- at the end warpgroup 1 publishes its row sums, warpgroup 0 the normalisation factors, and
+  each writes its half of the output.
 
 fp8 pages keep the warp-specialised kernel: their producer needs 128 registers to dequantise,
 which leaves too few for two consumers that each hold S, P and a [64, 256] accumulator.
@@ -30,7 +34,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, VEC_SMEM, _async_load, _cta_barrier, _extent
@@ -106,6 +112,24 @@ def _copy_half(k_half, ptr, valid, col0, empty_bar, full_bar, phase, valid_buf, 
 
 
 @gluon.jit
+def _fill_half(x, c, STAGE: gl.constexpr, HALF: gl.constexpr, WITH_VALID: gl.constexpr, phase, k_bufs, valid_bufs,
+               kempty, kfull, n_a, split, num_splits,
+               a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+               b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+               A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr):
+    """Copy column half ``HALF`` of chunk ``c`` (slot reads ``x``) into K stage ``STAGE``. The row
+    addresses are derived here, per half, from the slot reads (cheap integer arithmetic):
+    holding both chunks' 64-bit row pointers across the loop made the producer spill."""
+    ptr, ok = _rows(x, c, n_a, split, num_splits,
+                    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                    A_RANGE, HAS_B, B_RANGE)
+    _copy_half(k_bufs.index(STAGE).slice(HALF * HALF_V, HALF_V, dim=1), ptr, ok, HALF * HALF_V,
+               kempty.index(2 * STAGE + HALF), kfull.index(2 * STAGE + HALF), phase, valid_bufs.index(STAGE),
+               WITH_VALID)
+
+
+@gluon.jit
 def _producer(k_bufs, valid_bufs, kempty, kfull, t, split, num_splits,
               a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
               a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -139,37 +163,36 @@ def _producer(k_bufs, valid_bufs, kempty, kfull, t, split, num_splits,
                   A_RANGE, HAS_B, B_RANGE)
     for j in range(gl.cdiv(n, 2)):
         c = 2 * j
-        ptr0, ok0 = _rows(x0, c, n_a, split, num_splits,
-                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
-                          b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                          A_RANGE, HAS_B, B_RANGE)
-        ptr1, ok1 = _rows(x1, c + 1, n_a, split, num_splits,
-                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
-                          b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                          A_RANGE, HAS_B, B_RANGE)
-        ok1 = ok1 & (c + 1 < n)
-        x0 = _entries(c + 2, n_a, t, split, num_splits,
+        y0 = _entries(c + 2, n_a, t, split, num_splits,
                       a_idx_ptr, a_stride_idx, a_bt_ptr, a_stride_bt, a_max_blocks, a_block_size, a_start, a_length,
                       a_req, b_idx_ptr, b_stride_idx, b_bt_ptr, b_stride_bt, b_max_blocks, b_block_size, b_start,
                       b_length, b_req, A_RANGE, HAS_B, B_RANGE)
-        x1 = _entries(c + 3, n_a, t, split, num_splits,
+        y1 = _entries(c + 3, n_a, t, split, num_splits,
                       a_idx_ptr, a_stride_idx, a_bt_ptr, a_stride_bt, a_max_blocks, a_block_size, a_start, a_length,
                       a_req, b_idx_ptr, b_stride_idx, b_bt_ptr, b_stride_bt, b_max_blocks, b_block_size, b_start,
                       b_length, b_req, A_RANGE, HAS_B, B_RANGE)
         ph = (j & 1) ^ 1  # a fresh barrier passes parity 1
-        k0 = k_bufs.index(0)
-        k1 = k_bufs.index(1)
         has1 = c + 1 < n
-        _copy_half(k0.slice(0, HALF_V, dim=1), ptr0, ok0, 0, kempty.index(0), kfull.index(0), ph,
-                   valid_bufs.index(0), True)
+        _fill_half(x0, c, 0, 0, True, ph, k_bufs, valid_bufs, kempty, kfull, n_a, split, num_splits,
+                   a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                   b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                   A_RANGE, HAS_B, B_RANGE)
         if has1:
-            _copy_half(k1.slice(HALF_V, HALF_V, dim=1), ptr1, ok1, HALF_V, kempty.index(3), kfull.index(3), ph,
-                       valid_bufs.index(1), True)
-        _copy_half(k0.slice(HALF_V, HALF_V, dim=1), ptr0, ok0, HALF_V, kempty.index(1), kfull.index(1), ph,
-                   valid_bufs.index(0), False)
+            _fill_half(x1, c + 1, 1, 1, True, ph, k_bufs, valid_bufs, kempty, kfull, n_a, split, num_splits,
+                       a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                       b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                       A_RANGE, HAS_B, B_RANGE)
+        _fill_half(x0, c, 0, 1, False, ph, k_bufs, valid_bufs, kempty, kfull, n_a, split, num_splits,
+                   a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                   b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                   A_RANGE, HAS_B, B_RANGE)
         if has1:
-            _copy_half(k1.slice(0, HALF_V, dim=1), ptr1, ok1, 0, kempty.index(2), kfull.index(2), ph,
-                       valid_bufs.index(1), False)
+            _fill_half(x1, c + 1, 1, 0, False, ph, k_bufs, valid_bufs, kempty, kfull, n_a, split, num_splits,
+                       a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                       b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                       A_RANGE, HAS_B, B_RANGE)
+        x0 = y0
+        x1 = y1
 
 
 @gluon.jit
@@ -196,60 +219,178 @@ def _publish(buf, x, bar):
     _publish_done(bar)
 
 
+# Hand-overs between the two consumer warpgroups on named hardware barriers (ids above the ones
+# Triton uses; 256 threads: the 128 that arrive and the 128 that wait). Cheaper than an mbarrier
+# round trip; ``bar.arrive`` orders the arriving threads' earlier shared-memory writes before
+# the waiters' reads. Each barrier is arrived at and waited on once per pair of chunks, in an
+# order that never lets one side arrive twice before the other waited.
+NB_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+M0_ARRIVE = gl.constexpr("bar.arrive 8, 256;\n mov.u32 $0, $1;")
+M0_WAIT = gl.constexpr("bar.sync 8, 256;\n mov.u32 $0, $1;")
+M1_ARRIVE = gl.constexpr("bar.arrive 9, 256;\n mov.u32 $0, $1;")
+M1_WAIT = gl.constexpr("bar.sync 9, 256;\n mov.u32 $0, $1;")
+P0_ARRIVE = gl.constexpr("bar.arrive 10, 256;\n mov.u32 $0, $1;")
+P0_WAIT = gl.constexpr("bar.sync 10, 256;\n mov.u32 $0, $1;")
+P1_ARRIVE = gl.constexpr("bar.arrive 11, 256;\n mov.u32 $0, $1;")
+P1_WAIT = gl.constexpr("bar.sync 11, 256;\n mov.u32 $0, $1;")
+
+
 @gluon.jit
-def _logits(q_smem, k, valid_buf, qk_scale):
-    """Masked, scaled logits ``S = q K^T`` (base 2) of one chunk."""
-    s = warpgroup_mma(q_smem, k.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L), use_acc=False)
+def _named(ASM: gl.constexpr):
+    """One named-barrier instruction, once per thread of the warpgroup."""
+    gl.inline_asm_elementwise(ASM, "=r,r", [gl.arange(0, 128, layout=NB_L)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _mask(s, valid_buf, qk_scale):
+    """Scaled logits (base 2), -inf for invalid candidates."""
     ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S4_L)) != 0, 0)
     return gl.where(ok, s * qk_scale, float("-inf"))
 
 
 @gluon.jit
-def _consume(ME: gl.constexpr, n, o, m_i, l_i, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars,
-             qk_scale):
-    """Warpgroup ``ME``'s walk over the split's ``n`` chunks in pairs: its own chunk ``2j + ME``
-    (stage ``ME``) and the partner's. Per pair: ``S`` of its own chunk and the row maxima
-    exchanged with the partner (both then hold the pair's maximum, so each P is computed once,
-    relative to it); its P published for the partner; ``O += P V`` over its output columns
-    (``ME * 256 ..``) with its own P from registers, then with the partner's P from shared
-    memory. ``bars``: q, m 0/1, P ready 0/1, P free 0/1, l, fin."""
-    k_mine = k_bufs.index(ME)
-    k_other = k_bufs.index(1 - ME)
+def _logits_half(q_smem, k, bar, phase, acc, HALF: gl.constexpr, USE_ACC: gl.constexpr):
+    """Wait for column half ``HALF`` of a K stage and issue (asynchronously) its part of
+    ``S = q K^T``: the logits start on the half that lands first."""
+    _wait_k(bar, phase)
+    if not USE_ACC:
+        acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
+    return warpgroup_mma(q_smem.slice(HALF * HALF_V, HALF_V, dim=1),
+                         k.slice(HALF * HALF_V, HALF_V, dim=1).permute((1, 0)), acc, use_acc=USE_ACC,
+                         is_async=True)
+
+
+@gluon.jit
+def _safe(m):
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _wg0_loop(n, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars, qk_scale):
+    """Warpgroup 0 over the pairs of chunks (2j its own, 2j+1 warpgroup 1's), output columns
+    0-255. Per pair: softmax of chunk 2j against the running maximum, which it publishes; its
+    own ``P V`` (register P); then the pair's maximum from warpgroup 1, its P rescaled to it and
+    published; warpgroup 1's P times this warpgroup's half of chunk 2j+1, issued together with
+    the next pair's logits (left half first: it is the half this warpgroup released first).
+    ``bars`` (mbarriers): q, l, fin."""
+    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
+    if n > 0:
+        s_acc = _logits_half(q_smem.index(0), k_bufs.index(0), kfull.index(0), 0, None, 0, False)
+        s_acc = _logits_half(q_smem.index(0), k_bufs.index(0), kfull.index(1), 0, s_acc, 1, True)
+        s = warpgroup_mma_wait(0, deps=[s_acc])
     for j in range(gl.cdiv(n, 2)):
         ph = j & 1
-        mine = 2 * j + ME < n
-        other = 2 * j + 1 - ME < n
-        s = gl.full([BLOCK_H, BLOCK_N], float("-inf"), gl.float32, S4_L)
-        if mine:
-            _wait_k(kfull.index(2 * ME), ph)
-            _wait_k(kfull.index(2 * ME + 1), ph)
-            s = _logits(q_smem, k_mine, valid_bufs.index(ME), qk_scale)
-            _publish(m_bufs.index(ME), gl.max(s, axis=1), bars.index(1 + ME))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if other:
-            mbarrier.wait(bars.index(2 - ME), ph)
-            m_new = gl.maximum(m_new, m_bufs.index(1 - ME).load(ROW_S))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
+        # Shared-memory views indexed by a zero the compiler cannot prove (j < 2^30): their wgmma
+        # descriptors are then computed in the loop instead of hoisted out of it, where ptxas
+        # spilled them and reloaded them from local memory before every product.
+        z = j >> 30
+        q_cur = q_smem.index(z)
+        k0 = k_bufs.index(z)
+        k1 = k_bufs.index(z + 1)
+        s = _mask(s, valid_bufs.index(0), qk_scale)
+        m0 = gl.maximum(m_i, gl.max(s, axis=1))
+        m_bufs.index(0).store(m0)
+        _named(M0_ARRIVE)
+        m0_safe = _safe(m0)
+        alpha = gl.exp2(m_i - m0_safe)
+        p = gl.exp2(s - gl.expand_dims(m0_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        pa = gl.convert_layout(p.to(gl.bfloat16), P_A)
+        o = warpgroup_mma(pa, k0.slice(0, HALF_V, dim=1), o, is_async=True)
+        o, pa = warpgroup_mma_wait(0, deps=[o, pa])
+        _cta_barrier()
+        mbarrier.arrive(kempty.index(0))  # chunk 2j, columns 0-255: done
+        _named(M1_WAIT)
+        m1 = m_bufs.index(1).load(ROW_S)
+        # P of chunk 2j relative to the pair's maximum (m0 = -inf: P is zero, any finite factor).
+        sc = gl.where(m0 == float("-inf"), 1.0, gl.exp2(m0 - _safe(m1)))
+        p_bufs.index(0).store((p * gl.expand_dims(sc, 1)).to(gl.bfloat16))
+        fence_async_shared()
+        _named(P0_ARRIVE)
+        o = o * gl.expand_dims(gl.convert_layout(sc, ROW_O), 1)
+        l_i = l_i * sc
+        m_i = m1
+        _named(P1_WAIT)  # also after the last, odd chunk: warpgroup 1 arrives once per pair
+        if 2 * j + 1 < n:
+            _wait_k(kfull.index(2), ph)
+            acc = warpgroup_mma(p_bufs.index(z + 1), k1.slice(0, HALF_V, dim=1), o, is_async=True)
+            if 2 * j + 2 < n:
+                s_acc = _logits_half(q_cur, k0, kfull.index(0), ph ^ 1, None, 0, False)
+                o = warpgroup_mma_wait(1, deps=[acc])
+                _cta_barrier()
+                mbarrier.arrive(kempty.index(2))  # chunk 2j+1, columns 0-255: done
+                s_acc = _logits_half(q_cur, k0, kfull.index(1), ph ^ 1, s_acc, 1, True)
+                s = warpgroup_mma_wait(0, deps=[s_acc])
+            else:
+                o = warpgroup_mma_wait(0, deps=[acc])
+                _cta_barrier()
+                mbarrier.arrive(kempty.index(2))
+                s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)  # (no next pair: the old s dies)
+        else:
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _wg1_loop(n, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars, qk_scale):
+    """Warpgroup 1 over the pairs, output columns 256-511: the logits of chunk 2j+1 (right half
+    first: the half it released first), the pair's maximum from warpgroup 0's, its softmax, its
+    own ``P V`` and warpgroup 0's P times its half of chunk 2j. Without a chunk 2j+1 (odd count,
+    last pair) it only rescales and multiplies warpgroup 0's P."""
+    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    mbarrier.wait(bars.index(0), 0)  # q is in shared memory
+    for j in range(gl.cdiv(n, 2)):
+        ph = j & 1
+        z = j >> 30  # as in _wg0_loop: wgmma descriptors computed in the loop, not spilled
+        q_cur = q_smem.index(z)
+        k0 = k_bufs.index(z)
+        k1 = k_bufs.index(z + 1)
+        has1 = 2 * j + 1 < n
+        if has1:
+            s_acc = _logits_half(q_cur, k1, kfull.index(3), ph, None, 1, False)
+            s_acc = _logits_half(q_cur, k1, kfull.index(2), ph, s_acc, 0, True)
+            s = _mask(warpgroup_mma_wait(0, deps=[s_acc]), valid_bufs.index(1), qk_scale)
+        else:
+            s = gl.full([BLOCK_H, BLOCK_N], float("-inf"), gl.float32, S4_L)
+        _named(M0_WAIT)
+        m1 = gl.maximum(m_bufs.index(0).load(ROW_S), gl.max(s, axis=1))
+        m_bufs.index(1).store(m1)
+        _named(M1_ARRIVE)
+        m1_safe = _safe(m1)
+        alpha = gl.exp2(m_i - m1_safe)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         l_i = l_i * alpha
-        if mine:
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        m_i = m1
+        if has1:
+            p = gl.exp2(s - gl.expand_dims(m1_safe, 1))
             l_i = l_i + gl.sum(p, axis=1)
             p16 = p.to(gl.bfloat16)
-            mbarrier.wait(bars.index(5 + ME), ph ^ 1)  # the partner is done with the previous one
-            _publish(p_bufs.index(ME), p16, bars.index(3 + ME))
-            o = warpgroup_mma(gl.convert_layout(p16, P_A), k_mine.slice(ME * HALF_V, HALF_V, dim=1), o)
+            pa = gl.convert_layout(p16, P_A)
+            acc = warpgroup_mma(pa, k1.slice(HALF_V, HALF_V, dim=1), o, is_async=True)
+            p_bufs.index(1).store(p16)
+            _named(P0_WAIT)
+            _wait_k(kfull.index(1), ph)
+            acc = warpgroup_mma(p_bufs.index(z), k0.slice(HALF_V, HALF_V, dim=1), acc, is_async=True)
+            fence_async_shared()
+            _named(P1_ARRIVE)
+            acc, pa = warpgroup_mma_wait(1, deps=[acc, pa])
             _cta_barrier()
-            mbarrier.arrive(kempty.index(3 * ME))  # own chunk, own columns: done
-        if other:
-            mbarrier.wait(bars.index(4 - ME), ph)
-            _wait_k(kfull.index(2 * (1 - ME) + ME), ph)
-            o = warpgroup_mma(p_bufs.index(1 - ME), k_other.slice(ME * HALF_V, HALF_V, dim=1), o)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(6 - ME))
-            mbarrier.arrive(kempty.index(2 * (1 - ME) + ME))  # partner's chunk, own columns: done
-        m_i = m_new
+            mbarrier.arrive(kempty.index(3))  # chunk 2j+1, columns 256-511: done
+            o = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            _named(P1_ARRIVE)  # no P of chunk 2j+1: warpgroup 0 waits once per pair all the same
+            _named(P0_WAIT)
+            _wait_k(kfull.index(1), ph)
+            acc_r = warpgroup_mma(p_bufs.index(z), k0.slice(HALF_V, HALF_V, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[acc_r])
+        _cta_barrier()
+        mbarrier.arrive(kempty.index(1))  # chunk 2j, columns 256-511: done
     return o, m_i, l_i
 
 
@@ -273,18 +414,14 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
         hq_ok = hq < num_heads
         q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                     + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
-        q_smem.slice(r, 8, dim=0).store(q.to(gl.bfloat16))
+        q_smem.index(0).slice(r, 8, dim=0).store(q.to(gl.bfloat16))
     _publish_done(bars.index(0))
-    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    o, m_i, l_i = _consume(0, n, o, m_i, l_i, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars,
-                           qk_scale)
-    mbarrier.wait(bars.index(7), 0)
+    o, m_i, l_i = _wg0_loop(n, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars, qk_scale)
+    mbarrier.wait(bars.index(1), 0)
     l_i = l_i + l_smem.load(ROW_S)
     f = _row_factors(m_i, l_i, t64, pid_h, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t,
                      part_lse_ptr, sink_ptr, split_base, total_splits, HAS_SINK, WRITE_PARTIAL, WRITE_MAX)
-    _publish(f_smem, f, bars.index(8))
+    _publish(f_smem, f, bars.index(2))
     _store_half_o(o, f, t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
                   split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
 
@@ -300,14 +437,9 @@ def _wg1(q_smem, k_bufs, p_bufs, m_bufs, l_smem, f_smem, valid_bufs, kempty, kfu
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
-    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROW_S)
-    mbarrier.wait(bars.index(0), 0)  # q is in shared memory
-    o, m_i, l_i = _consume(1, n, o, m_i, l_i, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars,
-                           qk_scale)
-    _publish(l_smem, l_i, bars.index(7))
-    mbarrier.wait(bars.index(8), 0)
+    o, m_i, l_i = _wg1_loop(n, q_smem, k_bufs, p_bufs, m_bufs, valid_bufs, kempty, kfull, bars, qk_scale)
+    _publish(l_smem, l_i, bars.index(1))
+    mbarrier.wait(bars.index(2), 0)
     f = f_smem.load(ROW_O)
     _store_half_o(o, f, t64, pid_h, split, num_heads, HALF_V, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
                   split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
@@ -339,7 +471,7 @@ def _sparse_mla_attn_sm90_pp_kernel(
     split = gl.program_id(1)
     t64 = t.to(gl.int64)
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, HEAD_DIM], MMA_SMEM)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
     p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], MMA_SMEM)
     m_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
@@ -349,11 +481,11 @@ def _sparse_mla_attn_sm90_pp_kernel(
     # K halves: index 2 * stage + (0 left, 1 right).
     kempty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     kfull = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):
         mbarrier.init(kempty.index(i), count=1)
         mbarrier.init(kfull.index(i), count=1)
-    for i in gl.static_range(9):
+    for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
 

@@ -69,7 +69,7 @@ class KernelConfig:
     sm90_ws_bf16: bool = True
     #: On bf16 pages, run the ping-pong kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_pp`: the
     #: two consumer warpgroups take turns computing S and the softmax of alternate chunks).
-    sm90_pingpong: bool = True
+    sm90_pingpong: bool = False
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
