@@ -72,8 +72,7 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
 def prefill_variants() -> None:
     """Prefill rows of benchmarks/bench_vs_flashmla.py (4096 query tokens, one indices-form set of
     top-k rows out of 16384, sink) on bf16 pages (FlashMLA's ``flash_mla_sparse_fwd`` input) and
-    the same rows as fp8 pages: the warp-specialised and (bf16 pages) ping-pong kernels against the
-    single-partition one."""
+    the same rows as fp8 pages: the warp-specialised kernel against the single-partition one."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s_q, s_kv = 4096, 16384
     for h in (64, 128):
@@ -90,12 +89,8 @@ def prefill_variants() -> None:
                 out = torch.empty_like(q)
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
-                for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False,
-                                                              sm90_pingpong=False)),
-                                    ("warp-specialised", dict(sm90_pingpong=False)),
-                                    ("ping-pong", dict(sm90_pingpong=True))):
-                    if kind == "fp8" and label == "ping-pong":
-                        continue  # fp8 pages have no ping-pong kernel
+                for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
                     cfg = dataclasses.replace(base, **over)
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)

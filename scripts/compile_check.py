@@ -77,20 +77,19 @@ def compile_all(path: str, targets: list[int]) -> int:
 
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
-    single-partition kernel, the warp-specialised one and the ping-pong one (page kind x set
-    forms x partial output)."""
+    single-partition kernel and the warp-specialised one (page kind x set forms x partial
+    output)."""
     import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_pp, sparse_attn_sm90_ws
+    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_ws
 
     failures = n = 0
     kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_pp._sparse_mla_attn_sm90_pp_kernel, sparse_attn_sm90_pp.NUM_WARPS, (True,)))
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),

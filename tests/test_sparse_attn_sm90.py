@@ -36,7 +36,7 @@ CASES = [
     ("bf16-h64-idx+idx", 64, 5, [SetSpec("indices", False, 64, 700), SetSpec("indices", False, 16, 100)], 1,
      "finite", 2),
     ("bf16-h128-range-split2", 128, 3, [SetSpec("range", False, 32, 300, hole_frac=0.3)], 2, "inf", 3),
-    # Ping-pong pairs that straddle the two sets, odd chunk counts per split, partial output.
+    # Chunks of both sets in one split's walk, odd chunk counts per split, partial output.
     ("bf16-h64-idx+range-split3", 64, 4, [SetSpec("indices", False, 64, 900, hole_frac=0.2),
                                           SetSpec("range", False, 64, 200)], 3, "finite", 2),
 ]
@@ -52,15 +52,14 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, kind: str = "pp"):
-    """``sm90``: a Gluon kernel (``kind``: "pp" the production choice, i.e. the ping-pong kernel
-    on bf16 pages and the warp-specialised one on fp8 pages; "ws" the warp-specialised one on
-    both; "single" the single-partition one) or the portable one."""
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, kind: str = "ws"):
+    """``sm90``: a Gluon kernel (``kind``: "ws" the warp-specialised one, the production choice
+    on fp8 and bf16 pages; "single" the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_ws_bf16 is True and cfg.sm90_pingpong is False
+    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=kind != "single", sm90_ws_bf16=kind != "single", sm90_pingpong=kind == "pp")
+                       sm90_ws=kind == "ws", sm90_ws_bf16=kind == "ws")
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -72,13 +71,10 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", ["pp", "ws", "single"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Every Gluon kernel on the pages it can run: ping-pong (bf16 pages), warp-specialised and
-    single-partition (fp8 and bf16 pages)."""
-    if variant == "pp" and case[3][0].fp8:
-        pytest.skip("fp8 pages run the warp-specialised kernel (the ws variant)")
+    """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
     out, lse = _run(q, built, sink, num_splits, True, device, kind=variant)
@@ -204,13 +200,12 @@ def test_argument_errors_are_not_swallowed(monkeypatch, device):
     assert sl._sm90_failures == []
 
 
-@pytest.mark.parametrize("variant", ["ws", "single", "pp"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, variant):
-    """Dispatch: when uses_sm90 holds, the sm90 kernel picked by ``sm90_ws`` (fp8 pages) or
-    ``sm90_pingpong`` (bf16 pages) gets the portable kernel's arguments plus its own constexprs,
-    and nothing else runs (no portable launch after it)."""
+    """Dispatch: when uses_sm90 holds, the sm90 kernel picked by ``sm90_ws`` (fp8 pages) gets
+    the portable kernel's arguments plus its own constexprs, and nothing else runs (no portable
+    launch after it)."""
     from dsv4attn.kernels.sparse_attn_sm90 import _sparse_mla_attn_sm90_kernel as single
-    from dsv4attn.kernels.sparse_attn_sm90_pp import _sparse_mla_attn_sm90_pp_kernel as ping_pong
     from dsv4attn.kernels.sparse_attn_sm90_ws import _sparse_mla_attn_sm90_ws_kernel as warp_specialised
     from dsv4attn.ops import sparse_attn_launch as sl
 
@@ -226,9 +221,9 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
             return run
 
     gen = torch.Generator().manual_seed(5)
-    built = [build_set(SetSpec("indices", variant != "pp", 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
+    built = [build_set(SetSpec("indices", True, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(3, 40, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    kernels = {"ws": warp_specialised, "single": single, "pp": ping_pong}
+    kernels = {"ws": warp_specialised, "single": single}
     monkeypatch.setattr(sl, "_sm90_kernel", lambda kind: (_Ok(kernels[kind]), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
@@ -243,5 +238,4 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     constexprs = [n for n in real.arg_names if n.isupper()]
     assert grid == (3, 1) and nargs == len(real.arg_names) - len(constexprs)
     assert set(kw) == set(constexprs) | {"num_warps", "num_stages"}
-    if variant != "pp":
-        assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
+    assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel

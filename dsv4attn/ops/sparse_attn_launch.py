@@ -64,12 +64,8 @@ class KernelConfig:
     #: False: the single-partition one.
     sm90_ws: bool = True
     #: On bf16 pages, run the warp-specialised kernel too (its producer copies rows with
-    #: ``cp.async`` instead of dequantising); False: the single-partition one. Only where
-    #: ``sm90_pingpong`` is off.
+    #: ``cp.async`` instead of dequantising); False: the single-partition one.
     sm90_ws_bf16: bool = True
-    #: On bf16 pages, run the ping-pong kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_pp`: the
-    #: two consumer warpgroups take turns computing S and the softmax of alternate chunks).
-    sm90_pingpong: bool = False
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
@@ -363,19 +359,14 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         kind = _sm90_kind(cfg, a.is_fp8)
         kernel, warps = _sm90_kernel(kind)
-        extra: dict[str, object] = {}
-        if kind != "pp":  # the ping-pong kernel runs bf16 pages only, with no tuning switch
-            extra["PAGES_BF16"] = not a.is_fp8
-            if kind == "ws":
-                extra["PREFETCH"] = cfg.sm90_l2_prefetch
-            else:
-                extra["SKIP"] = cfg.sm90_skip
+        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if kind == "ws" else dict(SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
                 A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                 WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                 A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
+                PAGES_BF16=not a.is_fp8,
                 num_warps=warps, num_stages=1, **extra,
             )
             return
@@ -398,22 +389,16 @@ _sm90_failures: list[str] = []
 
 
 def _sm90_kind(cfg: KernelConfig, pages_fp8: bool) -> str:
-    """Which Gluon sm90 kernel a launch runs: ``"pp"`` (ping-pong, bf16 pages), ``"ws"``
-    (warp-specialised) or ``"single"`` (single-partition; also every profiling ``sm90_skip``)."""
+    """Which Gluon sm90 kernel a launch runs: ``"ws"`` (warp-specialised) or ``"single"``
+    (single-partition; also every profiling ``sm90_skip``)."""
     if cfg.sm90_skip:
         return "single"
-    if not pages_fp8 and cfg.sm90_pingpong:
-        return "pp"
     return "ws" if (cfg.sm90_ws if pages_fp8 else cfg.sm90_ws_bf16) else "single"
 
 
 def _sm90_kernel(kind: str):
     """The Gluon sm90 kernel of a :func:`_sm90_kind` and the warp count it is launched with
     (imported on first use)."""
-    if kind == "pp":
-        from dsv4attn.kernels import sparse_attn_sm90_pp as pp
-
-        return pp._sparse_mla_attn_sm90_pp_kernel, pp.NUM_WARPS
     if kind == "ws":
         from dsv4attn.kernels import sparse_attn_sm90_ws as ws
 
