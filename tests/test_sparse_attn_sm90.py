@@ -52,14 +52,15 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, kind: str = "ws"):
-    """``sm90``: a Gluon kernel (``kind``: "ws" the warp-specialised one, the production choice
-    on fp8 and bf16 pages; "single" the single-partition one) or the portable one."""
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
+    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages;
+    else the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    assert cfg.sm90 is True and cfg.sm90_ws is True and cfg.sm90_ws_bf16 is True
+    assert cfg.sm90 is True and cfg.sm90_ws is True
+    assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=kind == "ws", sm90_ws_bf16=kind == "ws")
+                       sm90_ws=ws, sm90_ws_bf16=ws)
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -77,7 +78,7 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
     """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
-    out, lse = _run(q, built, sink, num_splits, True, device, kind=variant)
+    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")
     ref = oracle(q, built, 0.09, sink)
     assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
     p_out, p_lse = _run(q, built, sink, num_splits, False, device)
@@ -224,7 +225,7 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     built = [build_set(SetSpec("indices", True, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(3, 40, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
     kernels = {"ws": warp_specialised, "single": single}
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda kind: (_Ok(kernels[kind]), 8))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(kernels["ws" if w else "single"]), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     out = torch.full_like(q, 7.0)

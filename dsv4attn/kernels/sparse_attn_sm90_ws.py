@@ -309,37 +309,6 @@ def _n_total(t, split, num_splits,
 
 
 @gluon.jit
-def _row_factors(m_i, l_i, t64, pid_h, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_lse_ptr,
-                 sink_ptr, split_base, total_splits, HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr,
-                 WRITE_MAX: gl.constexpr):
-    """From the rows' running maximum and sum (base 2): write lse and max logits (or the split's
-    partial lse) and return each row's output factor (1 / sum, with the sink; 0 for a row
-    without candidates), in the accumulator's row layout."""
-    m_o = gl.convert_layout(m_i, ROW_O)
-    l_o = gl.convert_layout(l_i, ROW_O)
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-    h_ok = h < num_heads
-    hc = gl.where(h_ok, h, 0)
-    is_empty = l_o == 0.0
-    l_safe = gl.where(is_empty, 1.0, l_o)
-    lse2 = gl.where(is_empty, float("-inf"), m_o + gl.log2(l_safe))
-    f = 1.0 / l_safe
-    if WRITE_PARTIAL:
-        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
-        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
-    else:
-        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
-        f = gl.where(is_empty, 0.0, f)
-        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
-        if WRITE_MAX:
-            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
-    return f
-
-
-@gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), P and the rescale factors handed to warpgroup 1
@@ -402,8 +371,27 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
                             qk_scale)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
-    f = _row_factors(m_i, l_i, t64, pid_h, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t,
-                     part_lse_ptr, sink_ptr, split_base, total_splits, HAS_SINK, WRITE_PARTIAL, WRITE_MAX)
+    m_o = gl.convert_layout(m_i, ROW_O)
+    l_o = gl.convert_layout(l_i, ROW_O)
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    h_ok = h < num_heads
+    hc = gl.where(h_ok, h, 0)
+    is_empty = l_o == 0.0
+    l_safe = gl.where(is_empty, 1.0, l_o)
+    lse2 = gl.where(is_empty, float("-inf"), m_o + gl.log2(l_safe))
+    f = 1.0 / l_safe
+    if WRITE_PARTIAL:
+        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
+        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
+    else:
+        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
+        f = gl.where(is_empty, 0.0, f)
+        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:
+            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))

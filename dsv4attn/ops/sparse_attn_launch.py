@@ -357,9 +357,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
-        kind = _sm90_kind(cfg, a.is_fp8)
-        kernel, warps = _sm90_kernel(kind)
-        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if kind == "ws" else dict(SKIP=cfg.sm90_skip)
+        ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
+        kernel, warps = _sm90_kernel(ws)
+        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
@@ -388,21 +388,13 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 _sm90_failures: list[str] = []
 
 
-def _sm90_kind(cfg: KernelConfig, pages_fp8: bool) -> str:
-    """Which Gluon sm90 kernel a launch runs: ``"ws"`` (warp-specialised) or ``"single"``
-    (single-partition; also every profiling ``sm90_skip``)."""
-    if cfg.sm90_skip:
-        return "single"
-    return "ws" if (cfg.sm90_ws if pages_fp8 else cfg.sm90_ws_bf16) else "single"
+def _sm90_kernel(ws: bool):
+    """The Gluon sm90 kernel (``ws``: its warp-specialised fp8 variant) and the warp count it
+    is launched with (imported on first use)."""
+    if ws:
+        from dsv4attn.kernels import sparse_attn_sm90_ws as m
 
-
-def _sm90_kernel(kind: str):
-    """The Gluon sm90 kernel of a :func:`_sm90_kind` and the warp count it is launched with
-    (imported on first use)."""
-    if kind == "ws":
-        from dsv4attn.kernels import sparse_attn_sm90_ws as ws
-
-        return ws._sparse_mla_attn_sm90_ws_kernel, ws.NUM_WARPS
+        return m._sparse_mla_attn_sm90_ws_kernel, m.NUM_WARPS
     from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
 
     return _sparse_mla_attn_sm90_kernel, NUM_WARPS
