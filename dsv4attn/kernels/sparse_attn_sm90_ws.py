@@ -267,26 +267,41 @@ Q4_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O4_L))
 
 
+# A half of the output read back from shared memory: a warp covers one row's 256 bf16 (512
+# contiguous bytes), 16 bytes per thread.
+OST_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+
+
 @gluon.jit
-def _store_half_o(o, f, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
+def _store_half_o(o, f, stage, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
                   split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
     """Write ``o * f`` (rows = heads, 256 columns starting at ``col0``) to the output or the
-    split-KV partial."""
+    split-KV partial. A bf16 output goes through ``stage`` (this half's columns of q's buffer,
+    free once the last logits are done): stored in the accumulator's layout, read back by rows,
+    so each warp writes 512 contiguous bytes. Written straight from the accumulator layout (4
+    bytes per thread and row), the epilogue made a CTA's fixed cost 8.3 us instead of 5.7 us on
+    the H200 (h64 prefill, docs/benchmarks.md Table 27)."""
     h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
     d = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, O4_L))
     h_ok = h < num_heads
     hc = gl.where(h_ok, h, 0)
     mask2 = gl.expand_dims(h_ok, 1)
     res = o * gl.expand_dims(f, 1)
-    if WRITE_PARTIAL:
+    if OUT_BF16 and not WRITE_PARTIAL:
+        stage.store(res.to(gl.bfloat16))
+        _cta_barrier()
+        hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OST_L))
+        ds = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, OST_L))
+        hs_ok = hs < num_heads
+        optr = (out_ptr + t64 * stride_o_t + gl.expand_dims(gl.where(hs_ok, hs, 0) * stride_o_h, 1)
+                + gl.expand_dims(ds, 0))
+        gl.store(optr, stage.load(OST_L), mask=gl.expand_dims(hs_ok, 1))
+    elif WRITE_PARTIAL:
         part_row = (t64 * total_splits + split_base + split) * num_heads + hc
         gl.store(part_o_ptr + gl.expand_dims(part_row * HEAD_DIM, 1) + gl.expand_dims(d, 0), res, mask=mask2)
-    else:
+    else:  # fp32 output
         optr = out_ptr + t64 * stride_o_t + gl.expand_dims(hc * stride_o_h, 1) + gl.expand_dims(d, 0)
-        if OUT_BF16:
-            gl.store(optr, res.to(gl.bfloat16), mask=mask2)
-        else:
-            gl.store(optr, res, mask=mask2)
+        gl.store(optr, res, mask=mask2)
 
 
 @gluon.jit
@@ -357,12 +372,11 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q4_L))
-    for r in gl.static_range(0, BLOCK_H, 16):
-        hq = pid_h * BLOCK_H + r + gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_L))
-        hq_ok = hq < num_heads
-        q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
-                    + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
-        q_smem.slice(r, 16, dim=0).store(q.to(gl.bfloat16))
+    hq = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q4_L))
+    hq_ok = hq < num_heads
+    q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
+                + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
+    q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
@@ -395,13 +409,13 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))
-    _store_half_o(o, f, t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                  split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
+                  stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     return (m_i,)
 
 
 @gluon.jit
-def _wg1(k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
+def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
          num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
@@ -425,8 +439,8 @@ def _wg1(k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64,
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O)
-    _store_half_o(o, f, t64, pid_h, split, num_heads, HALF_V, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                  split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    _store_half_o(o, f, q_smem.slice(HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
+                  stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
 
 
 @gluon.jit
@@ -484,7 +498,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
-        (_wg1, (k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
+        (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                 num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
