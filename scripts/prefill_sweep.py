@@ -1,11 +1,13 @@
 """Prefill time against top-k on the GPU: where a CTA's fixed cost ends and its per-chunk cost starts.
 
 FlashMLA's ``flash_mla_sparse_fwd`` inputs (4096 query tokens, one set of top-k rows out of 16384
-bf16 rows, sink), top-k 64 ... 2048, through ``dsv4attn.flash_mla_sparse_fwd`` and, when
-``flash_mla`` imports (``--flashmla-path``), through FlashMLA's; CUDA-graph replay. A CTA of either
-library takes one (token, 64-head tile) and walks its top-k in 64-row chunks, one CTA per SM at a
-time, so time ~ waves * (fixed + chunks * per_chunk); the least-squares line over the sweep gives
-both terms per CTA in SM clocks (``--clock-ghz``).
+bf16 rows, sink), top-k 128 ... 2048 (FlashMLA takes multiples of 128), through
+``dsv4attn.flash_mla_sparse_fwd`` and, when ``flash_mla`` imports (``--flashmla-path``), through
+FlashMLA's; CUDA-graph replay. A CTA of either library takes one (token, 64-head tile) and walks
+its top-k in 64-row chunks, one CTA per SM at a time, so time ~ waves * (fixed + chunks *
+per_chunk); the least-squares line over the sweep gives both terms per CTA, in us and in SM
+clocks at ``--clock-ghz`` (default the H200's maximum, 1.98; Nsight Compute saw 1.76 under this
+load, so the clock counts are an upper bound).
 
     python3 -m scripts.prefill_sweep [--flashmla-path DIR] [--heads 64,128] [--label NAME]
 """
