@@ -5,9 +5,7 @@ bf16 rows, sink), top-k 128 ... 2048 (FlashMLA takes multiples of 128), through
 ``dsv4attn.flash_mla_sparse_fwd`` and, when ``flash_mla`` imports (``--flashmla-path``), through
 FlashMLA's; CUDA-graph replay. A CTA of either library takes one (token, 64-head tile) and walks
 its top-k in 64-row chunks, one CTA per SM at a time, so time ~ waves * (fixed + chunks *
-per_chunk); the least-squares line over the sweep gives both terms per CTA, in us and in SM
-clocks at ``--clock-ghz`` (default the H200's maximum, 1.98; Nsight Compute saw 1.76 under this
-load, so the clock counts are an upper bound).
+per_chunk); the least-squares line over the sweep gives both terms per CTA, in us.
 
     python3 -m scripts.prefill_sweep [--flashmla-path DIR] [--heads 64,128] [--label NAME]
 """
@@ -37,7 +35,6 @@ def main() -> None:
     ap.add_argument("--flashmla-path")
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--label", default="dsv4attn")
-    ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--no-flashmla", action="store_true")
     args = ap.parse_args()
     fm = None if args.no_flashmla else load_flashmla(args.flashmla_path)
@@ -84,9 +81,8 @@ def main() -> None:
             if len(pts) < 2:
                 continue
             a, b = fit([p[0] for p in pts], [p[1] / waves for p in pts])
-            clk = args.clock_ghz * 1e3
-            print(f"h{h} {name}: per CTA fixed {a:.2f} us ({a * clk:.0f} clk), per 64-row chunk {b:.3f} us "
-                  f"({b * clk:.0f} clk) over {waves} waves", flush=True)
+            print(f"h{h} {name}: per CTA fixed {a:.2f} us, per 64-row chunk {b:.3f} us over {waves} waves",
+                  flush=True)
 
 
 if __name__ == "__main__":
