@@ -21,12 +21,13 @@ get ``INT64_MIN``. Keys are unique, so plain integer max/sort is the determinist
 no tie handling remains. A chunk's keys are written to the scratch row (the dot produces them
 ``BLOCK_N`` at a time; a ``K_P2``-wide dot would not fit in registers), read back as one
 ``[K_P2]`` tensor, sorted ascending and merged with the descending best list by the bitonic
-half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union),
-then re-sorted descending. The first chunk is just sorted; later chunks whose best key does
+half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union as
+one bitonic sequence), then put in descending order by a bitonic merge (``log2 K_P2`` stages
+instead of a second sort's ``~log2^2 K_P2 / 2``). The first chunk is just sorted; later chunks whose best key does
 not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
 score workspace this needs no workspace sized by the context and one pass over the keys; the
-price is two bitonic sorts of ``K_P2`` int64 per chunk (``~K log^2 K`` compares, small next to
-the chunk's ``K * H * D`` MACs).
+price is a bitonic sort and a bitonic merge of ``K_P2`` int64 per chunk (``~K log^2 K``
+compares, small next to the chunk's ``K * H * D`` MACs).
 
 Few tokens with long rows (small-batch decode) would leave most SMs idle, so a row can be
 split over ``num_splits`` programs (interleaved chunks); each leaves its best list in its
@@ -64,6 +65,28 @@ def _score_keys(s, e, valid):
 
 
 @triton.jit
+def _merge_desc(x, K: tl.constexpr, LOG_K: tl.constexpr):
+    """A bitonic sequence ``x [K]`` (``K = 2^LOG_K``) -> the same keys sorted descending: the
+    ``LOG_K`` compare-exchange stages of a bitonic merge (a full sort takes ``LOG_K (LOG_K + 1) / 2``).
+    Stage ``i`` pairs positions ``K >> (i + 1)`` apart within blocks of twice that and puts the
+    larger key first."""
+    for i in tl.static_range(LOG_K):
+        x = _merge_stage(x, K, K >> (i + 1))
+    return x
+
+
+@triton.jit
+def _merge_stage(x, K: tl.constexpr, S: tl.constexpr):
+    """One stage of :func:`_merge_desc`: keys ``S`` apart within blocks of ``2 S``, larger first."""
+    y = tl.reshape(x, [K // (2 * S), 2, S])
+    first = tl.arange(0, 2)[None, :, None] == 0
+    a = tl.sum(tl.where(first, y, 0), axis=1)
+    b = tl.sum(tl.where(first, 0, y), axis=1)
+    y = tl.where(first, tl.maximum(a, b)[:, None, :], tl.minimum(a, b)[:, None, :])
+    return tl.reshape(y, [K])
+
+
+@triton.jit
 def _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2: tl.constexpr):
     """Descending keys ``best [K_P2]`` -> the first ``topk`` entry indices (-1) and scores (-inf)."""
     j = tl.arange(0, K_P2)
@@ -83,7 +106,7 @@ def _indexer_topk_kernel(
     stride_idx_t, stride_val_t,
     num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+    K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, LOG_K: tl.constexpr,
 ):
     """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
     int64 ``[T, num_splits, K_P2]``. Split s takes chunks ``s, s + num_splits, ...`` of the
@@ -142,8 +165,8 @@ def _indexer_topk_kernel(
         if c0 == first:
             best = tl.sort(cand, descending=True)
         elif tl.max(cand, axis=0) > tl.min(best, axis=0):
-            cand = tl.sort(cand)  # ascending: best (desc) vs cand (asc) is one bitonic sequence
-            best = tl.sort(tl.maximum(best, cand), descending=True)
+            cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
+            best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
     if SPLIT:
         tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
     else:
@@ -153,6 +176,7 @@ def _indexer_topk_kernel(
 @triton.jit
 def _indexer_topk_merge_kernel(
     scratch_ptr, idx_ptr, val_ptr, stride_idx_t, stride_val_t, topk, num_splits, K_P2: tl.constexpr,
+    LOG_K: tl.constexpr,
 ):
     """Grid ``(T,)``: merge the ``num_splits`` ascending best lists of a token (scratch int64
     ``[T, num_splits, K_P2]``) by the same bitonic half-cleaner, then write its top-k."""
@@ -163,5 +187,5 @@ def _indexer_topk_merge_kernel(
     for s in range(1, num_splits):
         cand = tl.load(base + s * K_P2 + j)  # ascending
         if tl.max(cand, axis=0) > tl.min(best, axis=0):
-            best = tl.sort(tl.maximum(best, cand), descending=True)
+            best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
     _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)

@@ -166,9 +166,10 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         idx.stride(0), val.stride(0),
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
-        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
+        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=k_p2.bit_length() - 1,
+        num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
     )
     if num_splits > 1:
         _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
-                                         K_P2=k_p2, num_warps=4)
+                                         K_P2=k_p2, LOG_K=k_p2.bit_length() - 1, num_warps=4)
     return idx, val
