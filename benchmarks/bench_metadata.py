@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import Ceilings, Row, base_parser, median_us, print_table
+from benchmarks.common import Ceilings, Row, base_parser, graph_us, median_us, print_table
 from dsv4attn.metadata import FORMS, BatchMetadata, MetadataConfig, StepMetadataBuilder
 
 
@@ -36,19 +36,10 @@ def make_batch(num_reqs: int, query_len: int, context: int, cfg: MetadataConfig,
 def graph_replay_us(build) -> float | None:
     """Median replay time of ``build()`` captured in a CUDA graph (None if it cannot be captured)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                build()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            build()
+        return graph_us(build, warmup_ms=10, rep_ms=40)
     except Exception as e:  # report, do not hide: the column then reads "-"
         print(f"graph capture failed: {type(e).__name__}: {e}")
         return None
-    return median_us(graph.replay, warmup_ms=10, rep_ms=40)
 
 
 def _ctx(n: int) -> str:
@@ -70,7 +61,7 @@ def main() -> None:
     ceil = Ceilings() if (args.no_ceilings or not cuda) else Ceilings.measure()
     builders = {
         form: StepMetadataBuilder(MetadataConfig(
-            max_num_batched_tokens=mnbt, max_num_reqs=1024, max_model_len=max_len, num_blocks=1 << 30,
+            max_num_batched_tokens=mnbt, max_num_reqs=1024, max_model_len=max_len, num_blocks=1 << 24,
             form=form, validate_block_ids=False), device)
         for form in FORMS
     }

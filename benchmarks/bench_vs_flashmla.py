@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dsv4attn
-from benchmarks.common import Ceilings, median_us
+from benchmarks.common import Ceilings, graph_us, median_us
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
@@ -79,23 +79,6 @@ def fp8_cache(num_entries: int, device, gen) -> torch.Tensor:
 def disjoint_slots(num_tokens: int, k: int, capacity: int, device, gen) -> torch.Tensor:
     return torch.randperm(capacity, device=device, generator=gen)[: num_tokens * k].to(torch.int32).view(
         num_tokens, 1, k)
-
-
-def graph_us(fn) -> float:
-    """Median replay time of ``fn`` captured in a CUDA graph (10 calls per replay)."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    return median_us(g.replay) / 10
 
 
 def compare(name: str, ref, got, lse_ref, lse_got) -> tuple[float, float]:
@@ -157,7 +140,7 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     o_ours, l_ours = ours()
     res = Result(name, None, median_us(ours), floor)
     if graphs:
-        res.dsv4attn_graph_us = graph_us(ours)
+        res.dsv4attn_graph_us = graph_us(ours, calls=10)
     # The batch-invariant mode through the op (same bytes, both sets in indices form).
     q3 = q[:, 0]
 
@@ -166,7 +149,7 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
 
     det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
     if graphs:
-        det.dsv4attn_graph_us = graph_us(ours_det)
+        det.dsv4attn_graph_us = graph_us(ours_det, calls=10)
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
         f8 = torch.float8_e4m3fn
@@ -180,7 +163,7 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
         res.flashmla_us = det.flashmla_us = median_us(theirs)
         if graphs:
-            res.flashmla_graph_us = det.flashmla_graph_us = graph_us(theirs)
+            res.flashmla_graph_us = det.flashmla_graph_us = graph_us(theirs, calls=10)
     return [res, det]
 
 
@@ -201,7 +184,7 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
     o_ours, _, l_ours = ours()
     res = Result(name, None, median_us(ours), floor)
     if graphs:
-        res.dsv4attn_graph_us = graph_us(ours)
+        res.dsv4attn_graph_us = graph_us(ours, calls=10)
     # The same rows as fp8_ds_mla pages, read directly by dsv4attn (no bf16 staging copy).
     cache = quantize_fp8_ds_mla(kv.view(-1, BLOCK, D))
     cset = CandidateSet(cache=cache, lengths=torch.full((s_q,), topk, dtype=torch.int32, device=device),
@@ -220,7 +203,7 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
         res.flashmla_us = median_us(theirs)
         fp8.flashmla_us = res.flashmla_us
         if graphs:
-            res.flashmla_graph_us = graph_us(theirs)
+            res.flashmla_graph_us = graph_us(theirs, calls=10)
     return [res, fp8]
 
 

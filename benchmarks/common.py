@@ -37,6 +37,22 @@ def median_us(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return statistics.median(ts) * 1e6
 
 
+def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median device time of one ``fn()`` call, from ``calls`` calls captured in one CUDA graph and
+    replayed (eager calls of small cases are bound by the host's launch cost). ``fn`` is run
+    twice on a side stream first (compiles, allocator warm-up). Capture errors propagate."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+
 @dataclass
 class Ceilings:
     copy_bytes_per_s: float = H200_COPY_BYTES_PER_S

@@ -17,7 +17,7 @@ import torch
 
 import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
-from benchmarks.common import median_us
+from benchmarks.common import graph_us
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
@@ -45,18 +45,6 @@ SKIP_VARIANTS = [
     ("sm90 dequant only", dict(sm90_skip=6, sm90_ws=False)),
     ("sm90 loop only", dict(sm90_skip=7, sm90_ws=False)),
 ]
-
-def _graph_us(fn) -> float:
-    """Kernel time of ``fn``'s launches: one CUDA graph of it, replayed (eager calls of the
-    small cases are bound by the host's launch cost)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return median_us(graph.replay, warmup_ms=5, rep_ms=30)
 
 
 def sets_for(b: int, gen) -> list[CandidateSet]:
@@ -98,7 +86,7 @@ def prefill_variants() -> None:
                             ref = (out.float().clone(), lse.clone())
                         d_o = (out.float() - ref[0]).abs().max().item()
                         d_l = (lse - ref[1]).abs().max().item()
-                        us = _graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg))
+                        us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
                               flush=True)
@@ -134,7 +122,7 @@ def main() -> None:
                     launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                     d_o = (out.float() - ref_o.float()).abs().max().item()
                     d_l = (lse - ref_l).abs().max().item()
-                    us = _graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg))
+                    us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue

@@ -18,7 +18,8 @@ import math
 import torch
 
 import dsv4attn
-from benchmarks.bench_vs_flashmla import D, SCALE, graph_us, load_flashmla
+from benchmarks.bench_vs_flashmla import D, SCALE, load_flashmla
+from benchmarks.common import graph_us
 
 TOPKS = (128, 256, 512, 1024, 2048)  # FlashMLA takes multiples of 128
 
@@ -62,7 +63,7 @@ def main() -> None:
 
                 try:
                     o, _, lse = fn()
-                    us = graph_us(fn)
+                    us = graph_us(fn, calls=10)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     line.append(f"{name} failed {type(e).__name__}: {str(e)[:80]}")
                     rows[name].append(float("nan"))

@@ -14,7 +14,8 @@ import argparse
 import torch
 
 import dsv4attn
-from benchmarks.bench_vs_flashmla import D, SCALE, decode_inputs, graph_us
+from benchmarks.bench_vs_flashmla import D, SCALE, decode_inputs
+from benchmarks.common import graph_us
 from dsv4attn.ops.sparse_attn_launch import kernel_config
 
 
@@ -34,7 +35,7 @@ def main() -> None:
             x = decode_inputs(b, h, 512, 128, device, gen)
             q, sets, sink = x.q[:, 0], x.sets, x.sink
             picked = kernel_config(b, h, D, 640, device).num_splits
-            times = [graph_us(lambda s=s: dsv4attn.sparse_mla_attention(q, sets, SCALE, sink, num_splits=s))
+            times = [graph_us(lambda s=s: dsv4attn.sparse_mla_attention(q, sets, SCALE, sink, num_splits=s), calls=10)
                      for s in splits]
             best = min(times)
             cells = [f"{t:.1f}{'*' if t == best else ''}" for t in times]
