@@ -11,7 +11,10 @@ registers, so the work is ``O(lengths[t])`` per token and the only temporary is 
 Scoring a chunk: ``BLOCK_N`` keys at a time are gathered (fp8 bytes decoded with integer bit
 operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 rows), one
 ``tl.dot`` of ``q [H_P2, D_P2]`` by the keys gives every head's logits, then
-``sum_h w[h] * ReLU(logit)``.
+``sum_h w[h] * ReLU(logit)``. The program walks its steps of ``BLOCK_N`` entries in one flat
+loop and issues step ``i + 1``'s block-table and page loads before scoring step ``i`` (one
+program of 8 warps fills an SM's registers, so nothing else would hide those loads' latency:
+11-25% faster on the H200, docs/benchmarks.md).
 
 Selection (why this design): each score becomes one int64 *key* that orders exactly like the
 rule "higher score first, equal scores -> lower index": the score's fp32 bits mapped to an
@@ -87,6 +90,48 @@ def _merge_stage(x, K: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                 cache_ptr, stride_cache_block, stride_cache_entry,
+                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr,
+                 IS_FP8: tl.constexpr):
+    """Issue the loads of a split's step ``i`` (entries ``BLOCK_N`` at a time, chunk
+    ``split + (i // (K_P2 / BLOCK_N)) * num_splits``): ``(keys, scales, valid, entries)``. fp8
+    keys stay raw bytes (decoded where they are scored), scales are the entries' fp32 words
+    (1.0 for bf16/fp32 rows); entries past ``n`` or in holes are masked, never read."""
+    SUBS: tl.constexpr = K_P2 // BLOCK_N
+    e = (split + (i // SUBS) * num_splits) * K_P2 + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = e < n
+    blk = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
+    valid = (blk >= 0) & (blk < num_blocks)
+    page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
+    off = tl.where(valid, e % block_size, 0).to(tl.int64)
+    dd = tl.arange(0, D_P2)
+    kmask = valid[:, None] & (dd < HEAD_DIM)[None, :]
+    if IS_FP8:
+        x = tl.load(cache_ptr + page[:, None] + off[:, None] * HEAD_DIM + dd[None, :], mask=kmask, other=0)
+        sptr = (cache_ptr + page + block_size * HEAD_DIM + off * 4).to(tl.pointer_type(tl.float32))
+        scale = tl.load(sptr, mask=valid, other=0.0)
+    else:
+        x = tl.load(cache_ptr + page[:, None] + off[:, None] * stride_cache_entry + dd[None, :],
+                    mask=kmask, other=0.0)
+        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    return x, scale, valid, e
+
+
+@triton.jit
+def _score(q, w, x, scale, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
+    """``sum_h w[h] * ReLU(q[h] . k)`` of gathered keys ``x [BLOCK_N, D_P2]`` -> fp32 ``[BLOCK_N]``."""
+    k = _decode_e4m3(x) if IS_FP8 else x
+    if DOT_BF16:
+        logits = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # exact bf16 products, fp32 sums
+    else:
+        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    if IS_FP8:
+        logits = logits * scale[None, :]  # power of two > 0: exact, commutes with ReLU
+    return tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+
+
+@triton.jit
 def _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2: tl.constexpr):
     """Descending keys ``best [K_P2]`` -> the first ``topk`` entry indices (-1) and scores (-inf)."""
     j = tl.arange(0, K_P2)
@@ -132,41 +177,29 @@ def _indexer_topk_kernel(
         q = q.to(tl.float32)
     w = tl.load(w_ptr + t64 * stride_w_t + hh, mask=hm, other=0.0)
     scratch = scratch_ptr + (t64 * num_splits + split) * K_P2
-    first = split * K_P2
+    SUBS: tl.constexpr = K_P2 // BLOCK_N
+    n_sub = tl.cdiv(tl.maximum(tl.cdiv(n, K_P2) - split, 0), num_splits) * SUBS  # this split's steps
     best = tl.full([K_P2], INT64_MIN, tl.int64)  # sorted descending
-    for c0 in range(first, n, num_splits * K_P2):
-        for s0 in range(0, K_P2, BLOCK_N):
-            e = c0 + s0 + tl.arange(0, BLOCK_N)
-            valid = e < n
-            blk = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
-            valid = (blk >= 0) & (blk < num_blocks)
-            page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
-            off = tl.where(valid, e % block_size, 0).to(tl.int64)
-            kmask = valid[:, None] & dm[None, :]
-            if IS_FP8:
-                x = tl.load(cache_ptr + page[:, None] + off[:, None] * HEAD_DIM + dd[None, :], mask=kmask, other=0)
-                k = _decode_e4m3(x)
-                sptr = (cache_ptr + page + block_size * HEAD_DIM + off * 4).to(tl.pointer_type(tl.float32))
-                scale = tl.load(sptr, mask=valid, other=0.0)
-            else:
-                k = tl.load(cache_ptr + page[:, None] + off[:, None] * stride_cache_entry + dd[None, :],
-                            mask=kmask, other=0.0)
-            if DOT_BF16:
-                logits = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # exact bf16 products, fp32 sums
-            else:
-                logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            if IS_FP8:
-                logits = logits * scale[None, :]  # power of two > 0: exact, commutes with ReLU
-            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)  # [BLOCK_N]
-            tl.store(scratch + s0 + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))
-        tl.debug_barrier()
-        cand = tl.load(scratch + tl.arange(0, K_P2))
-        tl.debug_barrier()  # every lane has read the chunk before the next one is written
-        if c0 == first:
-            best = tl.sort(cand, descending=True)
-        elif tl.max(cand, axis=0) > tl.min(best, axis=0):
-            cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
-            best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
+    x, scale, valid, e = _gather_keys(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                      block_size, cache_ptr, stride_cache_block, stride_cache_entry,
+                                      HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
+    for i in range(0, n_sub):
+        # the next step's loads are issued first: they travel while this step is scored
+        xn, scale_n, valid_n, e_n = _gather_keys(i + 1, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks,
+                                                 num_blocks, block_size, cache_ptr, stride_cache_block,
+                                                 stride_cache_entry, HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
+        s = _score(q, w, x, scale, IS_FP8, DOT_BF16)
+        tl.store(scratch + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))
+        if i % SUBS == SUBS - 1:  # a whole chunk of K_P2 keys is in the scratch row
+            tl.debug_barrier()
+            cand = tl.load(scratch + tl.arange(0, K_P2))
+            tl.debug_barrier()  # every lane has read the chunk before the next one is written
+            if i == SUBS - 1:
+                best = tl.sort(cand, descending=True)
+            elif tl.max(cand, axis=0) > tl.min(best, axis=0):
+                cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
+                best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
+        x, scale, valid, e = xn, scale_n, valid_n, e_n
     if SPLIT:
         tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
     else:

@@ -18,9 +18,11 @@ from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
 
 _Q_DTYPES = (torch.bfloat16, torch.float32)
-#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 64 on the bf16
-#: tensor cores; 32 for fp32 (FMA) dots, which spill at 64 (sm90 compile, H 64 x D 128, 8 warps).
-_BLOCK_N = {True: 64, False: 32}
+#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 128 on the bf16
+#: tensor cores (H200, V4 shape: 11-24% faster than 64 although ptxas spills ~0.9 KB per thread
+#: outside the dot, docs/benchmarks.md); 32 for fp32 (FMA) dots, which spill at 64 (sm90
+#: compile, H 64 x D 128, 8 warps).
+_BLOCK_N = {True: 128, False: 32}
 #: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
 MAX_TOPK = 2048
 #: Most programs one token row is split over (small-batch decode of long contexts).
