@@ -10,11 +10,14 @@ registers, so the work is ``O(lengths[t])`` per token and the only temporary is 
 
 Scoring a chunk: ``BLOCK_N`` keys at a time are gathered (fp8 bytes decoded with integer bit
 operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 rows), one
-``tl.dot`` of ``q [H_P2, D_P2]`` by the keys gives every head's logits, then
-``sum_h w[h] * ReLU(logit)``. The program walks its steps of ``BLOCK_N`` entries in one flat
+``tl.dot`` of the keys ``[BLOCK_N, D_P2]`` by ``q^T [D_P2, H_P2]`` gives every head's logits,
+then ``sum_h w[h] * ReLU(logit)``. Keys are the dot's rows: the decoded keys are its register
+operand and each key's sum over heads stays within the threads that hold its row (with q as
+the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.9x slower
+on the H200). The program walks its steps of ``BLOCK_N`` entries in one flat
 loop and issues step ``i + 1``'s block-table and page loads before scoring step ``i`` (one
-program of 8 warps fills an SM's registers, so nothing else would hide those loads' latency:
-11-25% faster on the H200, docs/benchmarks.md).
+program holds ~255 registers per thread, so few programs share an SM to hide those loads'
+latency: 11-25% faster on the H200, docs/benchmarks.md).
 
 Selection (why this design): each score becomes one int64 *key* that orders exactly like the
 rule "higher score first, equal scores -> lower index": the score's fp32 bits mapped to an
@@ -119,16 +122,18 @@ def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, nu
 
 
 @triton.jit
-def _score(q, w, x, scale, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
-    """``sum_h w[h] * ReLU(q[h] . k)`` of gathered keys ``x [BLOCK_N, D_P2]`` -> fp32 ``[BLOCK_N]``."""
+def _score(qt, w, x, scale, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
+    """``sum_h w[h] * ReLU(q[h] . k)`` of gathered keys ``x [BLOCK_N, D_P2]`` -> fp32 ``[BLOCK_N]``
+    (``qt``: q transposed, ``[D_P2, H_P2]``). Keys are the dot's rows: the decoded keys feed it
+    from registers and the sum over heads stays within each row's threads."""
     k = _decode_e4m3(x) if IS_FP8 else x
     if DOT_BF16:
-        logits = tl.dot(q, tl.trans(k.to(tl.bfloat16)))  # exact bf16 products, fp32 sums
+        logits = tl.dot(k.to(tl.bfloat16), qt)  # [BLOCK_N, H_P2]: exact bf16 products, fp32 sums
     else:
-        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        logits = tl.dot(k.to(tl.float32), qt, input_precision="ieee")
     if IS_FP8:
-        logits = logits * scale[None, :]  # power of two > 0: exact, commutes with ReLU
-    return tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        logits = logits * scale[:, None]  # power of two > 0: exact, commutes with ReLU
+    return tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
 
 
 @triton.jit
@@ -169,8 +174,8 @@ def _indexer_topk_kernel(
     dd = tl.arange(0, D_P2)
     hm = hh < num_heads
     dm = dd < HEAD_DIM
-    q = tl.load(q_ptr + t64 * stride_q_t + hh[:, None] * stride_q_h + dd[None, :],
-                mask=hm[:, None] & dm[None, :], other=0.0)
+    q = tl.load(q_ptr + t64 * stride_q_t + hh[None, :] * stride_q_h + dd[:, None],
+                mask=hm[None, :] & dm[:, None], other=0.0)  # [D_P2, H_P2]: q^T
     if DOT_BF16:
         q = q.to(tl.bfloat16)
     else:

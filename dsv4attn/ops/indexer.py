@@ -18,10 +18,10 @@ from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
 
 _Q_DTYPES = (torch.bfloat16, torch.float32)
-#: Keys gathered per dot in the kernel (a [H, D] x [D, BLOCK_N] product per step): 128 on the bf16
-#: tensor cores (H200, V4 shape: 11-24% faster than 64 although ptxas spills ~0.9 KB per thread
-#: outside the dot, docs/benchmarks.md); 32 for fp32 (FMA) dots, which spill at 64 (sm90
-#: compile, H 64 x D 128, 8 warps).
+#: Keys gathered per dot in the kernel (a [BLOCK_N, D] x [D, H] product per step): 128 on the bf16
+#: tensor cores (H200, V4 shape, 4 warps: fastest of 64/128 keys x 4/8/16 warps although ptxas
+#: spills 256 bytes per thread at top-512, docs/benchmarks.md); 32 for fp32 (FMA) dots, which
+#: spill at 64 (sm90 compile, H 64 x D 128).
 _BLOCK_N = {True: 128, False: 32}
 #: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
 MAX_TOPK = 2048
@@ -169,7 +169,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=k_p2.bit_length() - 1,
-        num_warps=8 if h_p2 * d_p2 >= 8192 else 4,
+        num_warps=4,
     )
     if num_splits > 1:
         _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
