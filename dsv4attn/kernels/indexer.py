@@ -29,8 +29,8 @@ no tie handling remains. A chunk's keys are written to the scratch row (the dot 
 ``[K_P2]`` tensor, sorted ascending and merged with the descending best list by the bitonic
 half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union as
 one bitonic sequence), then put in descending order by a bitonic merge (``log2 K_P2`` stages
-instead of a second sort's ``~log2^2 K_P2 / 2``). The first chunk is just sorted; later chunks whose best key does
-not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
+instead of a second sort's ``~log2^2 K_P2 / 2``). The first chunk is just sorted; later chunks
+whose best key does not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
 score workspace this needs no workspace sized by the context and one pass over the keys; the
 price is a bitonic sort and a bitonic merge of ``K_P2`` int64 per chunk (``~K log^2 K``
 compares, small next to the chunk's ``K * H * D`` MACs).
