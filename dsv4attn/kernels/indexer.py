@@ -13,7 +13,7 @@ operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 
 ``tl.dot`` of the keys ``[BLOCK_N, D_P2]`` by ``q^T [D_P2, H_P2]`` gives every head's logits,
 then ``sum_h w[h] * ReLU(logit)``. Keys are the dot's rows: the decoded keys are its register
 operand and each key's sum over heads stays within the threads that hold its row (with q as
-the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.9x slower
+the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.5x slower
 on the H200). The program walks its steps of ``BLOCK_N`` entries in one flat
 loop and issues step ``i + 1``'s block-table and page loads before scoring step ``i`` (one
 program holds ~255 registers per thread, so few programs share an SM to hide those loads'
