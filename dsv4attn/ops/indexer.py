@@ -21,8 +21,8 @@ _Q_DTYPES = (torch.bfloat16, torch.float32)
 #: Keys gathered per dot in the kernel (a [BLOCK_N, D] x [D, H] product per step, 4 warps): 128 on
 #: the bf16 tensor cores (H200, V4 shape: fastest of 64/128 keys x 4/8/16 warps although ptxas
 #: spills per thread at top-512: 256 bytes with Triton 3.9, ~960 with the H200's 3.6,
-#: docs/benchmarks.md); 32 for fp32 q (FMA dots, not
-#: timed: they spill ~2 KB per thread at 4 warps; offline, 16 warps would not spill).
+#: docs/benchmarks.md); 32 for fp32 q (FMA dots, not timed: they spill ~2 KB per thread at 4
+#: warps; offline, 16 warps would not spill).
 _BLOCK_N = {True: 128, False: 32}
 #: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
 MAX_TOPK = 2048
