@@ -53,6 +53,7 @@ def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0)
             fn()
     return median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
 
+
 @dataclass
 class Ceilings:
     copy_bytes_per_s: float = H200_COPY_BYTES_PER_S

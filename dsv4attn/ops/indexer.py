@@ -159,6 +159,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     if T == 0:
         return idx, val
     k_p2 = _p2(topk)
+    log_k = k_p2.bit_length() - 1  # K_P2 = 2^log_k: the bitonic merge's stage count
     scratch = torch.empty((T, num_splits, k_p2), dtype=torch.int64, device=device)
     interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
     dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
@@ -169,10 +170,10 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         idx.stride(0), val.stride(0),
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
-        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=k_p2.bit_length() - 1,
+        IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=log_k,
         num_warps=4,
     )
     if num_splits > 1:
         _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
-                                         K_P2=k_p2, LOG_K=k_p2.bit_length() - 1, num_warps=4)
+                                         K_P2=k_p2, LOG_K=log_k, num_warps=4)
     return idx, val
