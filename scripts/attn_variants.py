@@ -33,6 +33,8 @@ VARIANTS = [
     ("default", {}),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
+    ("ws prefetch 2 ahead", dict(sm90_prefetch_ahead=2)),
+    ("ws V 128 / 384", dict(sm90_wg0_cols=128)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
 #: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
@@ -78,8 +80,13 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
-                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
+                                    ("ws V 128 / 384", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_wg0_cols=128)),
+                                    ("ws V 128 / 384, producer 80", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_wg0_cols=128,
+                                                                         sm90_bf16_producer_regs=80))):
                     cfg = dataclasses.replace(base, **over)
+                    if kind == "fp8" and "producer" in label:
+                        continue
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                         if ref is None:
@@ -91,7 +98,7 @@ def prefill_variants() -> None:
                         print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
                               flush=True)
                         continue
-                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:18s}: {us:9.1f} us   |d out| {d_o:.1e} "
+                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:28s}: {us:9.1f} us   |d out| {d_o:.1e} "
                           f"|d lse| {d_l:.1e} (vs single-partition)", flush=True)
 
 
@@ -104,7 +111,7 @@ def main() -> None:
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:3]
+        variants = VARIANTS[:5]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)

@@ -79,6 +79,7 @@ def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output)."""
+    import inspect
     import itertools
 
     import triton
@@ -97,6 +98,10 @@ def compile_sm90() -> int:
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
+            for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
+                default = inspect.signature(kernel.fn).parameters[names[i]].default
+                if names[i] not in const and default is not inspect.Parameter.empty:
+                    const[names[i]] = default
             sig = {}
             for a in names:
                 if a in const:

@@ -14,6 +14,10 @@ import zlib
 import pytest
 import torch
 
+from dsv4attn.kv_cache.layout import (
+    alloc_fp8_ds_mla_cache, dequantize_fp8_ds_mla, fp8_ds_mla_view, pages_of,
+)
+from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch, sm90_kernel_available, uses_sm90
 from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SMALL_LAYOUT, SetSpec, assert_matches, build_set, make_sink, oracle
 
@@ -52,15 +56,22 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
-    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages;
-    else the single-partition one) or the portable one."""
+#: Variants of the warp-specialised kernel that a KernelConfig can select (each runs every case).
+WS_VARIANTS = {"ws": {}, "ws-v128": dict(sm90_wg0_cols=128),
+               "ws-v128-p80": dict(sm90_wg0_cols=128, sm90_bf16_producer_regs=80),
+               "ws-prefetch2": dict(sm90_prefetch_ahead=2)}
+
+
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True,
+         ws_over: dict | None = None):
+    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages, with
+    ``ws_over``'s KernelConfig fields; else the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
     assert cfg.sm90 is True and cfg.sm90_ws is True
     assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws, sm90_ws_bf16=ws)
+                       sm90_ws=ws, sm90_ws_bf16=ws, **(ws_over or {}))
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -72,13 +83,14 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", ["ws", "single"])
+@pytest.mark.parametrize("variant", [*WS_VARIANTS, "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
+    """Both Gluon kernels (warp-specialised, in each of its variants, or single-partition) on
+    fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
-    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")
+    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant != "single", ws_over=WS_VARIANTS.get(variant))
     ref = oracle(q, built, 0.09, sink)
     assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
     p_out, p_lse = _run(q, built, sink, num_splits, False, device)
@@ -88,10 +100,11 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
 
 
 @needs_hopper
-def test_sm90_fp32_q_and_out():
+@pytest.mark.parametrize("variant", list(WS_VARIANTS))
+def test_sm90_fp32_q_and_out(variant):
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(CASES[0], device, torch.float32)
-    out, lse = _run(q, built, sink, num_splits, True, device)
+    out, lse = _run(q, built, sink, num_splits, True, device, ws_over=WS_VARIANTS[variant])
     assert out.dtype == torch.float32
     assert_matches(out, lse, oracle(q, built, 0.09, sink), oracle(q, built, 0.09, sink, low_precision=True), "fp32")
 
@@ -240,3 +253,51 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     assert grid == (3, 1) and nargs == len(real.arg_names) - len(constexprs)
     assert set(kw) == set(constexprs) | {"num_warps", "num_stages"}
     assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
+
+
+@needs_hopper
+def test_sm90_dequantisation_is_exact_for_every_byte():
+    """The warp-specialised kernel's fp8 -> bf16 step, isolated: q = 0 and one candidate per
+    token make every head's output the candidate's dequantised row (P = 1, O = 1 x V in fp32,
+    1 / l = 1), so it must equal the reference decoder's bf16 row. The rows hold every finite
+    e4m3 byte (0x7F / 0xFF, e4m3's NaN, excluded) under every scale byte 0..246 (2^-127 ..
+    2^119; larger bytes overflow 448 x 2^(b-127) to inf, and 0 x inf logits would make q = 0
+    meaningless). Equal as values (the fp32 accumulator turns -0 into +0), except that a
+    bf16 subnormal may come out as zero (the tensor cores and the fp32 epilogue flush them;
+    that is the MMA's arithmetic, not the dequantisation)."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, block = 4, 64
+    rows = num_blocks * block
+    lay = PROD_LAYOUT
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    nope = finite[torch.randint(0, len(finite), (rows, lay.nope_dim), generator=gen)]
+    scales = (torch.randperm(rows * lay.num_tiles, generator=gen) % 247).to(torch.uint8).reshape(rows, lay.num_tiles)
+    rope = torch.randn(rows, lay.rope_dim, generator=gen).to(torch.bfloat16)
+    cache = alloc_fp8_ds_mla_cache(num_blocks, block, lay, device="cpu", fill=0)
+    pages = pages_of(cache, lay)
+    data = pages[:, : block * lay.data_bytes].view(num_blocks, block, lay.data_bytes)
+    data[..., : lay.nope_dim] = nope.view(num_blocks, block, -1)
+    data[..., lay.nope_dim:] = rope.view(torch.uint8).view(num_blocks, block, -1)
+    off = lay.scale_offset(block)
+    sc = pages[:, off : off + block * lay.scale_bytes].view(num_blocks, block, lay.scale_bytes)
+    sc[..., : lay.num_tiles] = scales.view(num_blocks, block, -1)
+    want = dequantize_fp8_ds_mla(cache, lay).reshape(rows, lay.head_dim)
+    assert torch.isfinite(want).all() and (want == 0).any() and (want.abs() < 2.0**-126).any()
+    cache_d = fp8_ds_mla_view(pages.reshape(-1).to(device), num_blocks, block, lay)  # same page stride
+    order = torch.randperm(rows, generator=gen)
+    cset = CandidateSet(cache=cache_d, lengths=torch.ones(rows, dtype=torch.int32, device=device),
+                        indices=order.to(torch.int32)[:, None].contiguous().to(device))
+    q = torch.zeros(rows, 64, lay.head_dim, dtype=torch.bfloat16, device=device)
+    base = kernel_config(rows, 64, lay.head_dim, 1, device, 1)
+    cfg = dataclasses.replace(base, sm90=True, sm90_ws=True)
+    assert uses_sm90(cfg, [cset], lay)
+    out = torch.empty_like(q)
+    lse = torch.empty(rows, 64, dtype=torch.float32, device=device)
+    launch(q, [cset], 0.09, None, out, lse, None, 1, config=cfg)
+    got = out.cpu().float()
+    exp = want[order][:, None, :].expand_as(got).float()
+    sub = (exp != 0) & (exp.abs() < 2.0**-126)
+    bad = ((got != exp) & ~(sub & (got == 0))).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} values differ, first at {bad[0].tolist()}"
+    assert (got[~sub] == exp[~sub]).all() and (exp.abs() >= 2.0**100).any()

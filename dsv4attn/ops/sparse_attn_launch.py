@@ -69,6 +69,14 @@ class KernelConfig:
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
+    #: How many chunks ahead of its loads the producer prefetches into L2 (1 or 2).
+    sm90_prefetch_ahead: int = 1
+    #: In the warp-specialised kernel, the columns of O that warpgroup 0 keeps next to S and the
+    #: softmax (256: V split in halves; 128: warpgroup 1 takes the other 384).
+    sm90_wg0_cols: int = 256
+    #: Registers per thread of the warp-specialised kernel's producer on bf16 pages (it only
+    #: issues cp.async copies there; what it does not take goes to warpgroup 0). fp8 pages: 128.
+    sm90_bf16_producer_regs: int = 128
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -359,7 +367,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(SKIP=cfg.sm90_skip)
+        extra = (dict(PREFETCH=cfg.sm90_l2_prefetch, PF_AHEAD=cfg.sm90_prefetch_ahead, WG0_COLS=cfg.sm90_wg0_cols,
+                      WG1_NREGS=_ws_wg1_regs(cfg.sm90_wg0_cols),
+                      PRODUCER_NREGS=128 if a.is_fp8 else cfg.sm90_bf16_producer_regs) if ws else dict(SKIP=cfg.sm90_skip))
         try:
             kernel[grid](
                 *args,
@@ -398,6 +408,13 @@ def _sm90_kernel(ws: bool):
     from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
 
     return _sparse_mla_attn_sm90_kernel, NUM_WARPS
+
+
+def _ws_wg1_regs(wg0_cols: int) -> int:
+    """Registers per thread of the warp-specialised kernel's warpgroup 1 (by the O columns it keeps)."""
+    from dsv4attn.kernels import sparse_attn_sm90_ws as m
+
+    return int(m.WG1_REGS) if wg0_cols == 256 else m.WG1_REGS_384
 
 
 def _is_build_failure(e: Exception) -> bool:
