@@ -26,7 +26,7 @@ from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
 #: kernel with parts left out (1 dequant, 2 MMAs, 4 page gathers; results then differ): what
 #: each part costs when the others run.
 #: (heads, batch) of the decode cases timed.
-CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256))
+CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 #: With ``--skips``, only these cases.
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
@@ -35,6 +35,7 @@ VARIANTS = [
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
     ("ws prefetch 2 ahead", dict(sm90_prefetch_ahead=2)),
     ("ws V 128 / 384", dict(sm90_wg0_cols=128)),
+    ("ws V 128 / 384, prefetch 2", dict(sm90_wg0_cols=128, sm90_prefetch_ahead=2)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
 #: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
@@ -110,8 +111,8 @@ def main() -> None:
         return
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
-    if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:5]
+    if "--quick" in sys.argv:  # the warp-specialised kernel's variants only
+        variants = [VARIANTS[0], *VARIANTS[3:6]]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -131,9 +132,9 @@ def main() -> None:
                     d_l = (lse - ref_l).abs().max().item()
                     us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"  {label:28s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
-                print(f"  {label:24s} splits {splits}: {us:8.1f} us   |d out| {d_o:.1e} |d lse| {d_l:.1e}",
+                print(f"  {label:28s} splits {splits}: {us:8.1f} us   |d out| {d_o:.1e} |d lse| {d_l:.1e}",
                       flush=True)
     # Host cost of one eager compat call (what eager timing adds when the GPU is idle-waiting).
     b, h = 64, 64
