@@ -9,7 +9,8 @@
 #   background (MAX_JOBS=16) while the steps that need no FlashMLA run, and the built package
 #   is split into $OUT/flash_mla.tgz.part* for later calls; a later call on the same (still warm)
 #   machine waits for that build instead of starting another.
-# Steps: tests (EXTRA_TESTS: more test files) | sweep (scripts/attn_variants.py) | quick (its --quick) |
+# Steps: tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
+#   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
@@ -49,6 +50,11 @@ for step in "$@"; do
            timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider tests/test_sparse_attn*.py \
              tests/test_flashmla_compat.py ${EXTRA_TESTS:-} 2>&1 | tail -n 40 > "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt" ;;
     sweep) timeout 300 python3 -m scripts.attn_variants > "$OUT/sweep.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/sweep.txt" | head -80 ;;
+    tests2) # the same suites with KernelConfig fields overridden in every dispatch (tests/conftest.py)
+           xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
+           DSV4ATTN_TEST_KERNEL_CONFIG="$KCFG" timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider \
+             tests/test_sparse_attn*.py tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests2.txt"
+           echo "with $KCFG:"; tail -n 3 "$OUT/tests2.txt" ;;
     quick) timeout 150 python3 -m scripts.attn_variants --quick > "$OUT/quick.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/quick.txt" | head -40 ;;
     prefill) timeout 200 python3 -m scripts.attn_variants --prefill > "$OUT/prefill.txt" 2>&1; cat "$OUT/prefill.txt" ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;

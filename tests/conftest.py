@@ -25,3 +25,29 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """The device the tests run their kernels on: CUDA if present, else CPU (interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_config_overrides():
+    """``DSV4ATTN_TEST_KERNEL_CONFIG="field=value,..."`` runs the whole suite with those
+    :class:`~dsv4attn.ops.sparse_attn_launch.KernelConfig` fields changed in every config that
+    dispatch picks: a kernel variant is tested everywhere before it becomes a default (the GPU
+    calls of scripts/gpu_vs_flashmla.sh, step ``tests2``). Unset: nothing changes."""
+    spec = os.environ.get("DSV4ATTN_TEST_KERNEL_CONFIG")
+    if not spec:
+        yield
+        return
+    import ast
+    import dataclasses
+
+    from dsv4attn.ops import sparse_attn_launch
+
+    over = {k.strip(): ast.literal_eval(v.strip()) for k, v in (kv.split("=") for kv in spec.split(","))}
+    pick = sparse_attn_launch.kernel_config
+
+    def patched(*args, **kwargs):
+        return dataclasses.replace(pick(*args, **kwargs), **over)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sparse_attn_launch, "kernel_config", patched)
+        yield
