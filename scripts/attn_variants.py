@@ -33,8 +33,6 @@ VARIANTS = [
     ("default", {}),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
-    ("ws prefetch 2 ahead", dict(sm90_prefetch_ahead=2)),
-    ("ws V 128 / 384", dict(sm90_wg0_cols=128)),
     ("portable 64/64/w8", dict(sm90=False)),
 ]
 #: With ``--skips``: the single-partition sm90 kernel with parts left out (profiling only).
@@ -81,11 +79,10 @@ def prefill_variants() -> None:
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
                                     ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
-                                    ("ws V 128 / 384", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_wg0_cols=128)),
-                                    ("ws V 128 / 384, producer 80", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_wg0_cols=128,
-                                                                         sm90_bf16_producer_regs=80))):
+                                    ("ws V 256 / 256", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_wg0_cols=256)),
+                                    ("ws V 128 / 384", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_wg0_cols=128))):
                     cfg = dataclasses.replace(base, **over)
-                    if kind == "fp8" and "producer" in label:
+                    if kind == "fp8" and "V " in label:  # fp8 pages always split V in halves
                         continue
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
@@ -110,8 +107,8 @@ def main() -> None:
         return
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
-    if "--quick" in sys.argv:  # the warp-specialised kernel's variants only
-        variants = [VARIANTS[0], *VARIANTS[3:5]]
+    if "--quick" in sys.argv:  # the Gluon kernels only
+        variants = VARIANTS[:3]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)

@@ -57,9 +57,7 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
 
 
 #: Variants of the warp-specialised kernel that a KernelConfig can select (each runs every case).
-WS_VARIANTS = {"ws": {}, "ws-v128": dict(sm90_wg0_cols=128),
-               "ws-v128-p80": dict(sm90_wg0_cols=128, sm90_bf16_producer_regs=80),
-               "ws-prefetch2": dict(sm90_prefetch_ahead=2)}
+WS_VARIANTS = {"ws-v256": dict(sm90_bf16_wg0_cols=256), "ws-v128": dict(sm90_bf16_wg0_cols=128)}
 
 
 def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True,
@@ -71,7 +69,8 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
     assert cfg.sm90 is True and cfg.sm90_ws is True
     assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws, sm90_ws_bf16=ws, **(ws_over or {}))
+                       sm90_ws=ws, sm90_ws_bf16=ws, sm90_bf16_wg0_cols=cfg.sm90_bf16_wg0_cols)
+    cfg = dataclasses.replace(cfg, **(ws_over or {}))
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -260,11 +259,13 @@ def test_sm90_dequantisation_is_exact_for_every_byte():
     """The warp-specialised kernel's fp8 -> bf16 step, isolated: q = 0 and one candidate per
     token make every head's output the candidate's dequantised row (P = 1, O = 1 x V in fp32,
     1 / l = 1), so it must equal the reference decoder's bf16 row. The rows hold every finite
-    e4m3 byte (0x7F / 0xFF, e4m3's NaN, excluded) under every scale byte 0..246 (2^-127 ..
+    e4m3 byte (0x7F / 0xFF, e4m3's NaN, excluded) under every scale byte 1..246 (2^-126 ..
     2^119; larger bytes overflow 448 x 2^(b-127) to inf, and 0 x inf logits would make q = 0
-    meaningless). Equal as values (the fp32 accumulator turns -0 into +0), except that a
-    bf16 subnormal may come out as zero (the tensor cores and the fp32 epilogue flush them;
-    that is the MMA's arithmetic, not the dequantisation)."""
+    meaningless; byte 0 reads as scale 0 in the kernels, as in FlashMLA, where the reference
+    decoder says 2^-127: no quantiser writes it, their bytes are >= 105 since amax >= 1e-4).
+    Equal as values (the fp32 accumulator turns -0 into +0), except that a bf16 subnormal may
+    come out as zero (the tensor cores and the fp32 epilogue flush them; that is the MMA's
+    arithmetic, not the dequantisation)."""
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(11)
     num_blocks, block = 4, 64
@@ -272,7 +273,7 @@ def test_sm90_dequantisation_is_exact_for_every_byte():
     lay = PROD_LAYOUT
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     nope = finite[torch.randint(0, len(finite), (rows, lay.nope_dim), generator=gen)]
-    scales = (torch.randperm(rows * lay.num_tiles, generator=gen) % 247).to(torch.uint8).reshape(rows, lay.num_tiles)
+    scales = (torch.randperm(rows * lay.num_tiles, generator=gen) % 246 + 1).to(torch.uint8).reshape(rows, lay.num_tiles)
     rope = torch.randn(rows, lay.rope_dim, generator=gen).to(torch.bfloat16)
     cache = alloc_fp8_ds_mla_cache(num_blocks, block, lay, device="cpu", fill=0)
     pages = pages_of(cache, lay)

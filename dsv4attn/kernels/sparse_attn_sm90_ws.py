@@ -137,7 +137,7 @@ def _store_half(raw, rope, sc, valid, k_half, valid_half):
 def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                  cache_ptr, stride_blk, block_size, capacity,
                  idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr, PF_AHEAD: gl.constexpr):
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
     """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
     chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
     are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
@@ -155,39 +155,21 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           max_blocks, start, req, block_size, IS_RANGE)
     y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
-    # Slot lookups of the chunk after next (used only with PF_AHEAD == 2).
-    z0 = _candidate_entry(t, _half_rows(4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
-    z1 = _candidate_entry(t, _half_rows(5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
-    if PREFETCH and PF_AHEAD == 2:  # chunk 1, which the loop's first prefetch (chunk 2) skips
-        _prefetch_half(cache_ptr, y0, _half_rows(2, split, num_splits), start, block_size, capacity, stride_blk,
-                       IS_RANGE)
-        _prefetch_half(cache_ptr, y1, _half_rows(3, split, num_splits), start, block_size, capacity, stride_blk,
-                       IS_RANGE)
     for h in range(0, 2 * n_mine, 2):
         raw0, rope0, sc0, v0 = _load_half(cache_ptr, x0, _half_rows(h, split, num_splits), start, block_size,
                                           capacity, stride_blk, IS_RANGE)
         raw1, rope1, sc1, v1 = _load_half(cache_ptr, x1, _half_rows(h + 1, split, num_splits), start, block_size,
                                           capacity, stride_blk, IS_RANGE)
-        if PREFETCH:  # a later chunk's lines, while this one is loaded and dequantised
-            if PF_AHEAD == 2:
-                _prefetch_half(cache_ptr, z0, _half_rows(h + 4, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-                _prefetch_half(cache_ptr, z1, _half_rows(h + 5, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-            else:
-                _prefetch_half(cache_ptr, y0, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-                _prefetch_half(cache_ptr, y1, _half_rows(h + 3, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
+        if PREFETCH:  # the next chunk's lines, while this one is loaded and dequantised
+            _prefetch_half(cache_ptr, y0, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+            _prefetch_half(cache_ptr, y1, _half_rows(h + 3, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
         x0 = y0
         x1 = y1
-        y0 = z0
-        y1 = z1
-        z0 = _candidate_entry(t, _half_rows(h + 6, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+        y0 = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        z1 = _candidate_entry(t, _half_rows(h + 7, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+        y1 = _candidate_entry(t, _half_rows(h + 5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -258,7 +240,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PF_AHEAD: gl.constexpr):
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr):
     if PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
@@ -273,12 +255,12 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
         it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
                           a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE,
-                          A_LEN, PREFETCH, PF_AHEAD)
+                          A_LEN, PREFETCH)
         if HAS_B:
             _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                          b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
                          b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE,
-                         B_LEN, PREFETCH, PF_AHEAD)
+                         B_LEN, PREFETCH)
 
 
 HALF_V = gl.constexpr(256)
@@ -523,8 +505,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
-    PAGES_BF16: gl.constexpr = False, PF_AHEAD: gl.constexpr = 1, WG0_COLS: gl.constexpr = 256,
-    WG1_NREGS: gl.constexpr = 160, PRODUCER_NREGS: gl.constexpr = 128,
+    PAGES_BF16: gl.constexpr = False, WG0_COLS: gl.constexpr = 256, WG1_NREGS: gl.constexpr = 160,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -575,5 +556,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PF_AHEAD)),
-    ], [4, PRODUCER_WARPS], [WG1_NREGS, PRODUCER_NREGS])
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16)),
+    ], [4, PRODUCER_WARPS], [WG1_NREGS, PRODUCER_REGS])

@@ -69,14 +69,10 @@ class KernelConfig:
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
-    #: How many chunks ahead of its loads the producer prefetches into L2 (1 or 2).
-    sm90_prefetch_ahead: int = 1
-    #: In the warp-specialised kernel, the columns of O that warpgroup 0 keeps next to S and the
-    #: softmax (256: V split in halves; 128: warpgroup 1 takes the other 384).
-    sm90_wg0_cols: int = 256
-    #: Registers per thread of the warp-specialised kernel's producer on bf16 pages (it only
-    #: issues cp.async copies there; what it does not take goes to warpgroup 0). fp8 pages: 128.
-    sm90_bf16_producer_regs: int = 128
+    #: On bf16 pages, the columns of O that the warp-specialised kernel's warpgroup 0 keeps next
+    #: to S and the softmax (256: V split in halves; 128: warpgroup 1 takes the other 384, which
+    #: frees warpgroup 0 sooner; fp8 pages always split in halves, where 128 measured slower).
+    sm90_bf16_wg0_cols: int = 256
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -106,8 +102,11 @@ def kernel_config(
             sms = _sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
             num_splits = pick_splits(progs, sms, max(1, math.ceil(max_candidates / block_n)), _MAX_SPLITS)
+    # H200, bf16 pages (FlashMLA's prefill rows, docs/benchmarks.md Table 32): V split 128 / 384
+    # is 4-7% faster at top-k 512 and 4% slower at 2048; 640 = a CSA layer's 512 + 128.
     return KernelConfig(block_h, block_n, min(int(num_splits), _MAX_SPLITS), num_warps, num_stages,
-                        sm90=block_h == 64 and head_dim == 512 and sm90_kernel_available(device))
+                        sm90=block_h == 64 and head_dim == 512 and sm90_kernel_available(device),
+                        sm90_bf16_wg0_cols=128 if max_candidates <= 640 else 256)
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,9 +366,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        extra = (dict(PREFETCH=cfg.sm90_l2_prefetch, PF_AHEAD=cfg.sm90_prefetch_ahead, WG0_COLS=cfg.sm90_wg0_cols,
-                      WG1_NREGS=_ws_wg1_regs(cfg.sm90_wg0_cols),
-                      PRODUCER_NREGS=128 if a.is_fp8 else cfg.sm90_bf16_producer_regs) if ws else dict(SKIP=cfg.sm90_skip))
+        wg0 = 256 if a.is_fp8 else cfg.sm90_bf16_wg0_cols
+        extra = (dict(PREFETCH=cfg.sm90_l2_prefetch, WG0_COLS=wg0, WG1_NREGS=_ws_wg1_regs(wg0)) if ws
+                 else dict(SKIP=cfg.sm90_skip))
         try:
             kernel[grid](
                 *args,
