@@ -70,8 +70,10 @@ class KernelConfig:
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
     #: On bf16 pages, the columns of O that the warp-specialised kernel's warpgroup 0 keeps next
-    #: to S and the softmax (256: V split in halves; 128: warpgroup 1 takes the other 384, which
-    #: frees warpgroup 0 sooner; fp8 pages always split in halves, where 128 measured slower).
+    #: to S and the softmax (256: V split in halves; 128: warpgroup 1 takes the other 384). A
+    #: tuning switch: on the H200, 128 was 4-7% faster at top-k 512 and 4% slower at 2048 in one
+    #: call, and showed no gain against FlashMLA in the next (docs/benchmarks.md Table 32), so
+    #: the default stays 256. fp8 pages always split in halves (128 measured slower there).
     sm90_bf16_wg0_cols: int = 256
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
@@ -102,11 +104,8 @@ def kernel_config(
             sms = _sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
             num_splits = pick_splits(progs, sms, max(1, math.ceil(max_candidates / block_n)), _MAX_SPLITS)
-    # H200, bf16 pages (FlashMLA's prefill rows, docs/benchmarks.md Table 32): V split 128 / 384
-    # is 4-7% faster at top-k 512 and 4% slower at 2048; 640 = a CSA layer's 512 + 128.
     return KernelConfig(block_h, block_n, min(int(num_splits), _MAX_SPLITS), num_warps, num_stages,
-                        sm90=block_h == 64 and head_dim == 512 and sm90_kernel_available(device),
-                        sm90_bf16_wg0_cols=128 if max_candidates <= 640 else 256)
+                        sm90=block_h == 64 and head_dim == 512 and sm90_kernel_available(device))
 
 
 @functools.lru_cache(maxsize=None)
