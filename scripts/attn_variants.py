@@ -78,12 +78,8 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
-                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
-                                    ("ws V 256 / 256", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_wg0_cols=256)),
-                                    ("ws V 128 / 384", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_wg0_cols=128))):
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
                     cfg = dataclasses.replace(base, **over)
-                    if kind == "fp8" and "V " in label:  # fp8 pages always split V in halves
-                        continue
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
                         if ref is None:
@@ -95,7 +91,7 @@ def prefill_variants() -> None:
                         print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
                               flush=True)
                         continue
-                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:28s}: {us:9.1f} us   |d out| {d_o:.1e} "
+                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:18s}: {us:9.1f} us   |d out| {d_o:.1e} "
                           f"|d lse| {d_l:.1e} (vs single-partition)", flush=True)
 
 
@@ -128,9 +124,9 @@ def main() -> None:
                     d_l = (lse - ref_l).abs().max().item()
                     us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"  {label:28s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"  {label:24s} splits {splits}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
-                print(f"  {label:28s} splits {splits}: {us:8.1f} us   |d out| {d_o:.1e} |d lse| {d_l:.1e}",
+                print(f"  {label:24s} splits {splits}: {us:8.1f} us   |d out| {d_o:.1e} |d lse| {d_l:.1e}",
                       flush=True)
     # Host cost of one eager compat call (what eager timing adds when the GPU is idle-waiting).
     b, h = 64, 64

@@ -93,17 +93,11 @@ def compile_sm90() -> int:
                (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
-        # bf16 pages in the warp-specialised kernel also split V 128 / 384 (KernelConfig.sm90_bf16_wg0_cols).
-        splits = (256, 128) if "WG0_COLS" in names else (256,)
-        for bf16, a_range, b_range, partial, wg0 in itertools.product(page_kinds, (False, True), (False, True),
-                                                                      (False, True), splits):
-            if wg0 != 256 and not bf16:
-                continue
+        for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),
+                                                                 (False, True)):
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
-            if wg0 != 256:
-                const.update(WG0_COLS=wg0, WG1_NREGS=sparse_attn_sm90_ws.WG1_REGS_384)
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default
                 if names[i] not in const and default is not inspect.Parameter.empty:

@@ -56,21 +56,15 @@ def _inputs(case, device, q_dtype=torch.bfloat16):
     return q, built, sink, num_splits
 
 
-#: Variants of the warp-specialised kernel that a KernelConfig can select (each runs every case).
-WS_VARIANTS = {"ws-v256": dict(sm90_bf16_wg0_cols=256), "ws-v128": dict(sm90_bf16_wg0_cols=128)}
-
-
-def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True,
-         ws_over: dict | None = None):
-    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages, with
-    ``ws_over``'s KernelConfig fields; else the single-partition one) or the portable one."""
+def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = False, ws: bool = True):
+    """``sm90``: a Gluon kernel (``ws``: the warp-specialised one, on fp8 and on bf16 pages;
+    else the single-partition one) or the portable one."""
     num_tokens, num_heads, d = q.shape
     cfg = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
     assert cfg.sm90 is True and cfg.sm90_ws is True
     assert cfg.sm90_ws_bf16 is True
     cfg = KernelConfig(cfg.block_h, cfg.block_n, cfg.num_splits, cfg.num_warps, cfg.num_stages, sm90=sm90,
-                       sm90_ws=ws, sm90_ws_bf16=ws, sm90_bf16_wg0_cols=cfg.sm90_bf16_wg0_cols)
-    cfg = dataclasses.replace(cfg, **(ws_over or {}))
+                       sm90_ws=ws, sm90_ws_bf16=ws)
     sets = [b.cset for b in built]
     assert uses_sm90(cfg, sets, PROD_LAYOUT) is sm90
     qd = q.to(device)
@@ -82,14 +76,13 @@ def _run(q, built, sink, num_splits, sm90: bool, device, max_logits: bool = Fals
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", [*WS_VARIANTS, "single"])
+@pytest.mark.parametrize("variant", ["ws", "single"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
-    """Both Gluon kernels (warp-specialised, in each of its variants, or single-partition) on
-    fp8 and on bf16 pages."""
+    """Both Gluon kernels (warp-specialised or single-partition) on fp8 and on bf16 pages."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
-    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant != "single", ws_over=WS_VARIANTS.get(variant))
+    out, lse = _run(q, built, sink, num_splits, True, device, ws=variant == "ws")
     ref = oracle(q, built, 0.09, sink)
     assert_matches(out, lse, ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
     p_out, p_lse = _run(q, built, sink, num_splits, False, device)
@@ -99,11 +92,10 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
 
 
 @needs_hopper
-@pytest.mark.parametrize("variant", list(WS_VARIANTS))
-def test_sm90_fp32_q_and_out(variant):
+def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(CASES[0], device, torch.float32)
-    out, lse = _run(q, built, sink, num_splits, True, device, ws_over=WS_VARIANTS[variant])
+    out, lse = _run(q, built, sink, num_splits, True, device)
     assert out.dtype == torch.float32
     assert_matches(out, lse, oracle(q, built, 0.09, sink), oracle(q, built, 0.09, sink, low_precision=True), "fp32")
 

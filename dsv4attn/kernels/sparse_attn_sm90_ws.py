@@ -46,8 +46,6 @@ from dsv4attn.kernels.sparse_attn_sm90 import (
 #: these registers per thread (warpgroup 0 gets what is left of the register file: 216).
 NUM_WARPS = 4
 WG1_REGS = gl.constexpr(160)
-#: Warpgroup 1's registers when it keeps 384 columns of O (``WG0_COLS`` = 128).
-WG1_REGS_384 = 232
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(128)
 #: Rows per producer step (half a chunk).
@@ -269,30 +267,24 @@ O4_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 
 P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O4_L, k_width=2))
 Q4_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 ROW_O = gl.constexpr(gl.SliceLayout(1, O4_L))
-# A 128-column accumulator (the split of V with WG0_COLS = 128: warpgroup 0 keeps columns 0-127,
-# warpgroup 1 columns 128-255 in this one and 256-511 in an O4_L one).
-O2_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
 
 
 # A half of the output read back from shared memory: a warp covers one row's 256 bf16 (512
 # contiguous bytes), 16 bytes per thread.
 OST_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
-# The same for 128 columns: a warp writes one row's 256 contiguous bytes, 8 bytes per thread.
-OST2_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
 def _store_half_o(o, f, stage, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                  split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
-                  W: gl.constexpr = 256, O_L: gl.constexpr = O4_L, ST_L: gl.constexpr = OST_L):
-    """Write ``o * f`` (rows = heads, ``W`` columns starting at ``col0``, layout ``O_L``) to the output or the
+                  split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """Write ``o * f`` (rows = heads, 256 columns starting at ``col0``) to the output or the
     split-KV partial. A bf16 output goes through ``stage`` (this half's columns of q's buffer,
     free once the last logits are done): stored in the accumulator's layout, read back by rows,
     so each warp writes 512 contiguous bytes. Written straight from the accumulator layout (4
     bytes per thread and row), the epilogue made a CTA's fixed cost 8.3 us instead of 5.7 us on
     the H200 (h64 prefill, docs/benchmarks.md Table 27)."""
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-    d = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, O_L))
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    d = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, O4_L))
     h_ok = h < num_heads
     hc = gl.where(h_ok, h, 0)
     mask2 = gl.expand_dims(h_ok, 1)
@@ -300,12 +292,12 @@ def _store_half_o(o, f, stage, t64, pid_h, split, num_heads, col0, out_ptr, stri
     if OUT_BF16 and not WRITE_PARTIAL:
         stage.store(res.to(gl.bfloat16))
         _cta_barrier()
-        hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ST_L))
-        ds = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, ST_L))
+        hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OST_L))
+        ds = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, OST_L))
         hs_ok = hs < num_heads
         optr = (out_ptr + t64 * stride_o_t + gl.expand_dims(gl.where(hs_ok, hs, 0) * stride_o_h, 1)
                 + gl.expand_dims(ds, 0))
-        gl.store(optr, stage.load(ST_L), mask=gl.expand_dims(hs_ok, 1))
+        gl.store(optr, stage.load(OST_L), mask=gl.expand_dims(hs_ok, 1))
     elif WRITE_PARTIAL:
         part_row = (t64 * total_splits + split_base + split) * num_heads + hc
         gl.store(part_o_ptr + gl.expand_dims(part_row * HEAD_DIM, 1) + gl.expand_dims(d, 0), res, mask=mask2)
@@ -334,8 +326,7 @@ def _n_total(t, split, num_splits,
 
 
 @gluon.jit
-def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
-              W0: gl.constexpr, O_L: gl.constexpr):
+def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
@@ -356,9 +347,9 @@ def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p16 = p.to(gl.bfloat16)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        pa = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-        o_acc = warpgroup_mma(pa, k_cur.slice(0, W0, dim=1), o, is_async=True)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        pa = gl.convert_layout(p16, P_A)
+        o_acc = warpgroup_mma(pa, k_cur.slice(0, HALF_V, dim=1), o, is_async=True)
         mbarrier.wait(p_free.index(st), ((i // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         p_bufs.index(st).store(p16)
         a_bufs.index(st).store(alpha)
@@ -379,10 +370,9 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         W0: gl.constexpr):
-    """Warpgroup 0: q, S, softmax, O's first ``W0`` columns (256, or 128 with the 128 / 384
-    split), the row statistics and the epilogue's normalisation factors."""
+         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
+    """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
+    normalisation factors."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -394,22 +384,15 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
-    if W0 == 256:
-        O0_L: gl.constexpr = O4_L
-        ST0_L: gl.constexpr = OST_L
-    else:  # (a static branch: each specialisation defines the names once)
-        O0_L: gl.constexpr = O2_L  # type: ignore[no-redef]
-        ST0_L: gl.constexpr = OST2_L  # type: ignore[no-redef]
-    ROW0: gl.constexpr = gl.SliceLayout(1, O0_L)
-    o = gl.zeros([BLOCK_H, W0], gl.float32, O0_L)
+    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
     o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-                            qk_scale, W0, O0_L)
+                            qk_scale)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
-    m_o = gl.convert_layout(m_i, ROW0)
-    l_o = gl.convert_layout(l_i, ROW0)
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW0)
+    m_o = gl.convert_layout(m_i, ROW_O)
+    l_o = gl.convert_layout(l_i, ROW_O)
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
     h_ok = h < num_heads
     hc = gl.where(h_ok, h, 0)
     is_empty = l_o == 0.0
@@ -431,8 +414,8 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))
-    _store_half_o(o, f, q_smem.slice(0, W0, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
-                  stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, W0, O0_L, ST0_L)
+    _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
+                  stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     return (m_i,)
 
 
@@ -442,49 +425,25 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, W0: gl.constexpr):
-    """Warpgroup 1: O's columns from ``W0`` on (256-511, or 128-511 in two accumulators) from
-    warpgroup 0's P and rescale factors; releases each P buffer and K stage after its
-    multiply."""
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
+    P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-    if W0 == 256:
-        for i in range(n):
-            st = i % 2
-            mbarrier.wait(full.index(st), (i // 2) & 1)
-            mbarrier.wait(p_ready.index(st), (i // 2) & 1)
-            alpha = a_bufs.index(st).load(ROW_O)
-            o = o * gl.expand_dims(alpha, 1)
-            o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
-            _cta_barrier()
-            mbarrier.arrive(p_free.index(st))
-            mbarrier.arrive(empty.index(st))
-        mbarrier.wait(fin.index(0), 0)
-        f = f_smem.load(ROW_O)
-    else:  # columns 256-511 in o, 128-255 in o2
-        o2 = gl.zeros([BLOCK_H, 128], gl.float32, O2_L)
-        for i in range(n):
-            st = i % 2
-            mbarrier.wait(full.index(st), (i // 2) & 1)
-            mbarrier.wait(p_ready.index(st), (i // 2) & 1)
-            alpha = a_bufs.index(st).load(ROW_O)
-            o = o * gl.expand_dims(alpha, 1)
-            o2 = o2 * gl.expand_dims(a_bufs.index(st).load(gl.SliceLayout(1, O2_L)), 1)
-            k_cur = k_bufs.index(st)
-            o_acc = warpgroup_mma(p_bufs.index(st), k_cur.slice(HALF_V, HALF_V, dim=1), o, is_async=True)
-            o2_acc = warpgroup_mma(p_bufs.index(st), k_cur.slice(128, 128, dim=1), o2, is_async=True)
-            o, o2 = warpgroup_mma_wait(0, deps=[o_acc, o2_acc])
-            _cta_barrier()
-            mbarrier.arrive(p_free.index(st))
-            mbarrier.arrive(empty.index(st))
-        mbarrier.wait(fin.index(0), 0)
-        f2 = f_smem.load(gl.SliceLayout(1, O2_L))
-        _store_half_o(o2, f2, q_smem.slice(128, 128, dim=1), t64, pid_h, split, num_heads, 128, out_ptr,
-                      stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, 128,
-                      O2_L, OST2_L)
-        f = f_smem.load(ROW_O)
+    for i in range(n):
+        st = i % 2
+        mbarrier.wait(full.index(st), (i // 2) & 1)
+        mbarrier.wait(p_ready.index(st), (i // 2) & 1)
+        alpha = a_bufs.index(st).load(ROW_O)
+        o = o * gl.expand_dims(alpha, 1)
+        o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
+        _cta_barrier()
+        mbarrier.arrive(p_free.index(st))
+        mbarrier.arrive(empty.index(st))
+    mbarrier.wait(fin.index(0), 0)
+    f = f_smem.load(ROW_O)
     _store_half_o(o, f, q_smem.slice(HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
 
@@ -505,7 +464,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
-    PAGES_BF16: gl.constexpr = False, WG0_COLS: gl.constexpr = 256, WG1_NREGS: gl.constexpr = 160,
+    PAGES_BF16: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -543,12 +502,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
                 part_lse_ptr, sink_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, WG0_COLS)),
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
         (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                 num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, WG0_COLS)),
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
         (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
                      a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -557,4 +516,4 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
                      A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16)),
-    ], [4, PRODUCER_WARPS], [WG1_NREGS, PRODUCER_REGS])
+    ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

@@ -69,12 +69,6 @@ class KernelConfig:
     #: In the warp-specialised kernel, prefetch the next chunk's rows into L2 while this chunk
     #: is loaded (tuning switch; measured in scripts/attn_variants.py).
     sm90_l2_prefetch: bool = True
-    #: On bf16 pages, the columns of O that the warp-specialised kernel's warpgroup 0 keeps next
-    #: to S and the softmax (256: V split in halves; 128: warpgroup 1 takes the other 384). A
-    #: tuning switch: on the H200, 128 was 4-7% faster at top-k 512 and 4% slower at 2048 in one
-    #: call, and showed no gain against FlashMLA in the next (docs/benchmarks.md Table 32), so
-    #: the default stays 256. fp8 pages always split in halves (128 measured slower there).
-    sm90_bf16_wg0_cols: int = 256
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -365,9 +359,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        wg0 = 256 if a.is_fp8 else cfg.sm90_bf16_wg0_cols
-        extra = (dict(PREFETCH=cfg.sm90_l2_prefetch, WG0_COLS=wg0, WG1_NREGS=_ws_wg1_regs(wg0)) if ws
-                 else dict(SKIP=cfg.sm90_skip))
+        extra = dict(PREFETCH=cfg.sm90_l2_prefetch) if ws else dict(SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
@@ -406,13 +398,6 @@ def _sm90_kernel(ws: bool):
     from dsv4attn.kernels.sparse_attn_sm90 import NUM_WARPS, _sparse_mla_attn_sm90_kernel
 
     return _sparse_mla_attn_sm90_kernel, NUM_WARPS
-
-
-def _ws_wg1_regs(wg0_cols: int) -> int:
-    """Registers per thread of the warp-specialised kernel's warpgroup 1 (by the O columns it keeps)."""
-    from dsv4attn.kernels import sparse_attn_sm90_ws as m
-
-    return int(m.WG1_REGS) if wg0_cols == 256 else m.WG1_REGS_384
 
 
 def _is_build_failure(e: Exception) -> bool:
