@@ -5,7 +5,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill]   # from the repository root; graph-replay times
+    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill] [--decode-sweep]   # repository root; graph replays
 """
 
 from __future__ import annotations
@@ -95,11 +95,51 @@ def prefill_variants() -> None:
                           f"|d lse| {d_l:.1e} (vs single-partition)", flush=True)
 
 
+def decode_sweep() -> None:
+    """Decode at a full GPU (B=1024) with 64 SWA + k compressed candidates per token, k = 64 ..
+    1984 (2 .. 32 chunks): graph time against chunks, fitted per CTA as fixed + chunks x per chunk
+    (time / waves, waves = CTAs / SMs), for h64 and h128."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b = 1024
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for h in (64, 128):
+        q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        sink = torch.randn(h, device="cuda", generator=gen)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, device="cuda")
+        labels = [("default", {})]
+        res: dict = {lab: [] for lab, _ in labels}
+        for k in (64, 192, 448, 960, 1984):
+            sets = []
+            for n in (k, 64):
+                cache = fp8_cache(b * n, "cuda", gen)
+                idx = disjoint_slots(b, n, cache.shape[0] * BLOCK, "cuda", gen)[:, 0, :].contiguous()
+                sets.append(CandidateSet(cache=cache, lengths=torch.full((b,), n, dtype=torch.int32, device="cuda"),
+                                         indices=idx))
+            base = dataclasses.replace(kernel_config(b, h, D, k + 64, q.device), num_splits=1)
+            for lab, over in labels:
+                cfg = dataclasses.replace(base, **over)
+                us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
+                chunks = k // 64 + 1
+                res[lab].append((chunks, us))
+                print(f"decode sweep h{h} B{b} chunks {chunks:2d} {lab:10s}: {us:8.1f} us", flush=True)
+        waves = b * (h // 64) / sms
+        for lab, pts in res.items():
+            x = torch.tensor([c for c, _ in pts], dtype=torch.float64)
+            y = torch.tensor([u for _, u in pts], dtype=torch.float64) / waves
+            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+            icpt = y.mean() - slope * x.mean()
+            print(f"fit h{h} {lab}: fixed {icpt:.2f} us / CTA, {slope:.3f} us / chunk ({waves:.2f} waves)", flush=True)
+
+
 def main() -> None:
     import sys
 
     if "--prefill" in sys.argv:
         prefill_variants()
+        return
+    if "--decode-sweep" in sys.argv:
+        decode_sweep()
         return
 
     variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
