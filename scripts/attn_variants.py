@@ -31,6 +31,7 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
+    ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
     ("portable 64/64/w8", dict(sm90=False)),
@@ -107,7 +108,8 @@ def decode_sweep() -> None:
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {})]
+        labels = [("default", {}), ("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
+                  ("loads ahead", dict(sm90_pipe_min_chunks=0))]
         res: dict = {lab: [] for lab, _ in labels}
         for k in (64, 192, 448, 960, 1984):
             sets = []
@@ -142,9 +144,9 @@ def main() -> None:
         decode_sweep()
         return
 
-    variants = (VARIANTS[:2] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
+    variants = ([VARIANTS[0], VARIANTS[2]] + SKIP_VARIANTS) if "--skips" in sys.argv else VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:3]
+        variants = VARIANTS[:2]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)

@@ -78,7 +78,7 @@ def compile_all(path: str, targets: list[int]) -> int:
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
-    output)."""
+    output, and on fp8 pages both producers)."""
     import inspect
     import itertools
 
@@ -93,11 +93,15 @@ def compile_sm90() -> int:
                (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
-        for bf16, a_range, b_range, partial in itertools.product(page_kinds, (False, True), (False, True),
-                                                                 (False, True)):
+        pipes = (False, True) if "PIPE" in names else (False,)
+        for bf16, a_range, b_range, partial, pipe in itertools.product(page_kinds, (False, True), (False, True),
+                                                                       (False, True), pipes):
+            if pipe and bf16:  # the fp8 producer's variant only
+                continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
-            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0)) if k in names})
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe))
+                          if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default
                 if names[i] not in const and default is not inspect.Parameter.empty:

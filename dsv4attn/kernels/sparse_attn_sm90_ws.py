@@ -182,6 +182,138 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     return it
 
 
+# The pipelined producer (``PIPE``) carries half a chunk's loads across the loop's back edge; as
+# 32-bit words (a uint8 tensor carried through a loop takes one register per byte), one tensor
+# per 64-dim tile, dequantised four tiles at a time (so its bf16 pairs do not all wait in
+# registers for one store). [32 rows, 16 words]: a lane holds 16 bytes of one
+# row's tile, 4 lanes a row, 8 rows per warp; dequantised, [32, 32] words, 32 bytes per lane.
+WT_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
+WTO_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+WT_ROW = gl.constexpr(gl.SliceLayout(1, WT_L))
+#: A K stage seen as 32-bit words (same bytes, same 128-byte swizzle).
+MMA_SMEM32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+
+
+@gluon.jit
+def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
+    """:func:`_load_half` as 32-bit words: the 7 fp8 tiles [32, 16] int32 each, RoPE [32, 32]
+    int32 (bf16 pairs), the scale word, validity."""
+    blk, off, valid = _candidate_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start,
+                                       block_size, capacity, IS_RANGE)
+    data = blk * stride_blk + off * 576
+    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
+        gl.arange(0, 16, layout=gl.SliceLayout(0, WT_L)), 0)
+    m = gl.expand_dims(valid, 1)
+    r0 = gl.load(wptr, mask=m, other=0)
+    r1 = gl.load(wptr + 16, mask=m, other=0)
+    r2 = gl.load(wptr + 32, mask=m, other=0)
+    r3 = gl.load(wptr + 48, mask=m, other=0)
+    r4 = gl.load(wptr + 64, mask=m, other=0)
+    r5 = gl.load(wptr + 80, mask=m, other=0)
+    r6 = gl.load(wptr + 96, mask=m, other=0)
+    rrow: gl.constexpr = gl.SliceLayout(1, WTO_L)
+    rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
+    rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0),
+                   mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
+    sptr = (cache_ptr + blk * stride_blk + block_size * 576 + off * 8).to(gl.pointer_type(gl.int64))
+    sc = gl.load(sptr, mask=valid, other=0)
+    return r0, r1, r2, r3, r4, r5, r6, rope, sc, valid
+
+
+@gluon.jit
+def _dequant_tile(r, sc, T: gl.constexpr):
+    """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs: each word's four
+    e4m3 bytes -> f32 (exact), times the tile's 2^(byte-127), -> two bf16 pairs (exact), by
+    inline PTX."""
+    e = ((sc >> (8 * T)) & 255).to(gl.uint32)
+    scale = gl.expand_dims((e << 23).to(gl.float32, bitcast=True), 1)
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h, x0, x1, x2, x3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
+        "mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 a, l; cvt.rn.f16x2.e4m3x2 b, h; "
+        "mov.b32 {x0, x1}, a; mov.b32 {x2, x3}, b; "
+        "cvt.f32.f16 f0, x0; cvt.f32.f16 f1, x1; cvt.f32.f16 f2, x2; cvt.f32.f16 f3, x3; "
+        "mul.f32 f0, f0, $3; mul.f32 f1, f1, $3; mul.f32 f2, f2, $3; mul.f32 f3, f3, $3; "
+        "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }",
+        "=r,=r,r,r", [r, gl.broadcast(scale, r)[0]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
+
+
+@gluon.jit
+def _cat4(a, b, c, d):
+    """[32, 32] x 4 -> [32, 128] (a | b | c | d), all in each thread's registers."""
+    x = gl.join(gl.join(a, b), gl.join(c, d))  # [32, 32, 2 (a / b), 2 (ab / cd)]
+    return gl.reshape(gl.permute(x, (0, 3, 2, 1)), [HALF, 128])
+
+
+@gluon.jit
+def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half):
+    """:func:`_load_tiles`' half-chunk, dequantised, into ``k32`` [32, 256] int32 (rows of a K
+    stage, bf16 pairs) in two stores of four tiles; tile 7 takes the RoPE words. (Triton fences
+    each store into part of one buffer with a barrier of the partition: one store per tile,
+    which keeps fewer registers live, measured 6% slower on the H200; one store for all eight
+    spills.)"""
+    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
+    k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0), _dequant_tile(r1, s, 1),
+                                         _dequant_tile(r2, s, 2), _dequant_tile(r3, s, 3)))
+    k32.slice(128, 128, dim=1).store(_cat4(_dequant_tile(r4, s, 4), _dequant_tile(r5, s, 5),
+                                           _dequant_tile(r6, s, 6), rope))
+    valid_half.store(valid.to(gl.int8))
+
+
+@gluon.jit
+def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                      cache_ptr, stride_blk, block_size, capacity,
+                      idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                      IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
+    """:func:`_produce_set` with the loads one half-chunk ahead of the dequantisation: half 1's
+    loads go out before half 0 is dequantised, and the next chunk's half 0 before half 1 (it is
+    carried across the loop's back edge as 32-bit words), so each load has half a chunk's
+    dequantisation to arrive in instead of none. A chunk costs less, the set's first chunk
+    more (docs/benchmarks.md, Table 36); the launcher picks it for long splits
+    (``KernelConfig.sm90_pipe_min_chunks``)."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = _n_mine(length, split, num_splits)
+    x0 = _candidate_entry(t, _half_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    x1 = _candidate_entry(t, _half_rows(1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    y0 = _candidate_entry(t, _half_rows(2, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _load_tiles(cache_ptr, x0, _half_rows(0, split, num_splits), start,
+                                                             block_size, capacity, stride_blk, IS_RANGE)
+    for h in range(0, 2 * n_mine, 2):
+        b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1 = _load_tiles(cache_ptr, x1, _half_rows(h + 1, split, num_splits),
+                                                                 start, block_size, capacity, stride_blk, IS_RANGE)
+        if PREFETCH:  # the next chunk's lines
+            _prefetch_half(cache_ptr, y0, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+            _prefetch_half(cache_ptr, y1, _half_rows(h + 3, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        k_buf = k_bufs.index(st)._reinterpret(gl.int32, [BLOCK_N, 256], MMA_SMEM32)
+        valid_buf = valid_bufs.index(st)
+        _store_tiles(a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0),
+                     valid_buf.slice(0, HALF, dim=0))
+        # The next chunk's half 0 (masked off past this split's chunks), then its slot lookups.
+        a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _load_tiles(cache_ptr, y0, _half_rows(h + 2, split, num_splits),
+                                                                 start, block_size, capacity, stride_blk, IS_RANGE)
+        x1 = y1
+        y0 = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        y1 = _candidate_entry(t, _half_rows(h + 5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
+                     valid_buf.slice(HALF, HALF, dim=0))
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
+    return it
+
 # bf16 pages: [64 rows, 512] bf16 copied with cp.async, 16 bytes per thread per row, 8 rows per
 # pass of the 4 producer warps.
 KB4_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -238,7 +370,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr):
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr):
     if PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
@@ -249,6 +381,16 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
                               b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                               b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
+    elif PIPE:
+        it = _produce_set_pipe(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
+                               a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                               A_RANGE, A_LEN, PREFETCH)
+        if HAS_B:
+            _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                              b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
+                              b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                              B_RANGE, B_LEN, PREFETCH)
     else:
         it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
@@ -464,7 +606,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
-    PAGES_BF16: gl.constexpr = False,
+    PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -515,5 +657,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
