@@ -246,6 +246,35 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
 
 
+
+@pytest.mark.parametrize("form, width, splits, min_chunks, ahead", [
+    ("indices", 20, 1, 8, False), ("indices", 20, 1, 1, True), ("indices", 20, 1, 0, True),
+    ("indices", 20, 2, 1, False), ("indices", 20, 2, 0, True), ("indices", 130, 1, 3, True),
+    ("range", 20, 1, 1, False), ("range", 20, 1, 0, True),
+])
+def test_sm90_producer_loads_ahead_only_for_long_splits(monkeypatch, device, form, width, splits, min_chunks, ahead):
+    """Dispatch: the fp8 producer's loads go half a chunk ahead (``PIPE``) only where a split
+    has at least ``KernelConfig.sm90_pipe_min_chunks`` chunks, counted from the indices-form
+    widths (20 wide: one chunk of 64, shared by the splits; 130: three); a range-form set
+    counts none."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    seen = []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    gen = torch.Generator().manual_seed(6)
+    built = [build_set(SetSpec(form, True, 16, width), 2, [0, 0], SMALL_LAYOUT, gen, device)]
+    q = torch.randn(2, 64, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, splits,
+           config=KernelConfig(64, 64, splits, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks))
+    assert [kw["PIPE"] for kw in seen] == [ahead]
+
 @needs_hopper
 def test_sm90_dequantisation_is_exact_for_every_byte():
     """The warp-specialised kernel's fp8 -> bf16 step, isolated: q = 0 and one candidate per

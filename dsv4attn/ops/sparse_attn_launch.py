@@ -71,8 +71,9 @@ class KernelConfig:
     sm90_l2_prefetch: bool = True
     #: On fp8 pages, the warp-specialised kernel's producer issues each half-chunk's loads half a
     #: chunk ahead of its dequantisation where a split has at least this many 64-candidate
-    #: chunks: a chunk costs ~0.5 us less, a CTA ~2.7 us more on the H200 (docs/benchmarks.md,
-    #: Table 36: 2-3% faster at 10 chunks, 10% slower at 5). 0: always; a huge value: never.
+    #: chunks, counted from the indices-form sets' widths (range-form sets count none): a chunk
+    #: costs ~0.5 us less, a CTA ~2.7 us more on the H200 (docs/benchmarks.md, Table 36: 2-3%
+    #: faster at 10 chunks, 10% slower at 5). 0: always; a huge value: never.
     sm90_pipe_min_chunks: int = 8
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
@@ -364,7 +365,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        pipe = a.is_fp8 and sum(_cdiv(_static_width(s), cfg.block_n) for s in sets) >= (
+        # Chunks known from the host: an indices-form set's width bounds its candidates; a range-form
+        # set (a sliding window) counts none, its bound (the block table's width) being far above.
+        pipe = a.is_fp8 and sum(_cdiv(s.indices.shape[1], cfg.block_n) for s in sets if s.indices is not None) >= (
             cfg.sm90_pipe_min_chunks * cfg.num_splits)
         extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe) if ws else dict(SKIP=cfg.sm90_skip)
         try:
