@@ -132,16 +132,10 @@ def _store_half(raw, rope, sc, valid, k_half, valid_half):
 
 
 @gluon.jit
-def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                 cache_ptr, stride_blk, block_size, capacity,
-                 idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
-    """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
-    chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
-    are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
-    their latency runs under the consumers' work on the other stage; then both halves are
-    dequantised into the stage. (Holding the next chunk's loads in registers across the
-    dequantisation, one step further ahead, spills the producer's registers.)"""
+def _set_start(t, split, num_splits, block_size, idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks,
+               num_reqs, req_ptr, start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+    """A producer's start on one candidate set: the set's extent for token ``t``, this split's
+    chunk count, and the slot lookups of its first two chunks (half-chunks 0-3)."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
@@ -153,6 +147,23 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           max_blocks, start, req, block_size, IS_RANGE)
     y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
+    return start, length, req, n_mine, x0, x1, y0, y1
+
+
+@gluon.jit
+def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                 cache_ptr, stride_blk, block_size, capacity,
+                 idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
+    """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
+    chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
+    are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
+    their latency runs under the consumers' work on the other stage; then both halves are
+    dequantised into the stage. (Holding the next chunk's loads in registers across the
+    dequantisation, one step further ahead, spills the producer's registers.)"""
+    start, length, req, n_mine, x0, x1, y0, y1 = _set_start(t, split, num_splits, block_size, idx_ptr, stride_idx,
+                                                            width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs,
+                                                            req_ptr, start_ptr, IS_RANGE, HAS_LEN)
     for h in range(0, 2 * n_mine, 2):
         raw0, rope0, sc0, v0 = _load_half(cache_ptr, x0, _half_rows(h, split, num_splits), start, block_size,
                                           capacity, stride_blk, IS_RANGE)
@@ -192,6 +203,17 @@ WTO_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 WT_ROW = gl.constexpr(gl.SliceLayout(1, WT_L))
 #: A K stage seen as 32-bit words (same bytes, same 128-byte swizzle).
 MMA_SMEM32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+#: Triton 3.9 names it ``reinterpret``, 3.6 ``_reinterpret``.
+_REINTERPRET_39 = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _stage_words(k_bufs, st):
+    """K stage ``st`` as [64, 256] int32 (bf16 pairs, the same bytes)."""
+    if _REINTERPRET_39:
+        return k_bufs.index(st).reinterpret(gl.int32, [BLOCK_N, 256], MMA_SMEM32)
+    else:
+        return k_bufs.index(st)._reinterpret(gl.int32, [BLOCK_N, 256], MMA_SMEM32)
 
 
 @gluon.jit
@@ -271,17 +293,9 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     dequantisation to arrive in instead of none. A chunk costs less, the set's first chunk
     more (docs/benchmarks.md, Table 36); the launcher picks it for long splits
     (``KernelConfig.sm90_pipe_min_chunks``)."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
-    n_mine = _n_mine(length, split, num_splits)
-    x0 = _candidate_entry(t, _half_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
-    x1 = _candidate_entry(t, _half_rows(1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
-    y0 = _candidate_entry(t, _half_rows(2, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
-    y1 = _candidate_entry(t, _half_rows(3, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                          max_blocks, start, req, block_size, IS_RANGE)
+    start, length, req, n_mine, x0, x1, y0, y1 = _set_start(t, split, num_splits, block_size, idx_ptr, stride_idx,
+                                                            width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs,
+                                                            req_ptr, start_ptr, IS_RANGE, HAS_LEN)
     a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _load_tiles(cache_ptr, x0, _half_rows(0, split, num_splits), start,
                                                              block_size, capacity, stride_blk, IS_RANGE)
     for h in range(0, 2 * n_mine, 2):
@@ -294,7 +308,7 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                            stride_blk, IS_RANGE)
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-        k_buf = k_bufs.index(st)._reinterpret(gl.int32, [BLOCK_N, 256], MMA_SMEM32)
+        k_buf = _stage_words(k_bufs, st)
         valid_buf = valid_bufs.index(st)
         _store_tiles(a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0),
                      valid_buf.slice(0, HALF, dim=0))
