@@ -272,7 +272,7 @@ def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half):
     """:func:`_load_tiles`' half-chunk, dequantised, into ``k32`` [32, 256] int32 (rows of a K
     stage, bf16 pairs) in two stores of four tiles; tile 7 takes the RoPE words. (Triton fences
     each store into part of one buffer with a barrier of the partition: one store per tile,
-    which keeps fewer registers live, measured 6% slower on the H200; one store for all eight
+    which keeps fewer registers live, measured 10% slower on the H200; one store for all eight
     spills.)"""
     s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
     k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0), _dequant_tile(r1, s, 1),
