@@ -11,7 +11,9 @@ shared memory and hand work over with mbarriers (docs/design.md, "Attention kern
   asks L2 for the next chunk's lines, dequantises (hardware e4m3 -> f32, times the tile's
   2^(byte-127), RoPE merged in registers) and writes the bf16 tile into the stage (full
   barrier). Holding the *next* chunk's loads in loop-carried registers while dequantising this
-  one spilled heavily; loading both halves of a chunk before dequantising either does not;
+  one spilled heavily; loading both halves of a chunk before dequantising either does not. With
+  ``PIPE`` (splits of many chunks) the loads run half a chunk ahead instead, carried as 32-bit
+  words (:func:`_produce_set_pipe`);
 - **warpgroup 0** (the default partition, 216 registers) computes all of ``S = q K^T`` for a
   chunk (one 64 x 64 x 512 wgmma: q is read from shared memory once), runs the online softmax
   alone (row maxima within the warpgroup: no exchange), keeps P in registers for its half of
