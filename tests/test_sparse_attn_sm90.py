@@ -246,7 +246,6 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
 
 
-
 @pytest.mark.parametrize("form, width, splits, min_chunks, ahead", [
     ("indices", 20, 1, 8, False), ("indices", 20, 1, 1, True), ("indices", 20, 1, 0, True),
     ("indices", 20, 2, 1, False), ("indices", 20, 2, 0, True), ("indices", 130, 1, 3, True),
@@ -274,6 +273,7 @@ def test_sm90_producer_loads_ahead_only_for_long_splits(monkeypatch, device, for
     launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, splits,
            config=KernelConfig(64, 64, splits, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks))
     assert [kw["PIPE"] for kw in seen] == [ahead]
+
 
 @needs_hopper
 def test_sm90_dequantisation_is_exact_for_every_byte():

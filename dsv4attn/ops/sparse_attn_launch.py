@@ -365,11 +365,10 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
-        # Chunks known from the host: an indices-form set's width bounds its candidates; a range-form
-        # set (a sliding window) counts none, its bound (the block table's width) being far above.
-        pipe = a.is_fp8 and sum(_cdiv(s.indices.shape[1], cfg.block_n) for s in sets if s.indices is not None) >= (
-            cfg.sm90_pipe_min_chunks * cfg.num_splits)
-        extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe) if ws else dict(SKIP=cfg.sm90_skip)
+        if ws:
+            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=a.is_fp8 and _pipe_worth_it(sets, cfg))
+        else:
+            extra = dict(SKIP=cfg.sm90_skip)
         try:
             kernel[grid](
                 *args,
@@ -396,6 +395,15 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 #: Gluon API differs from the ones it was written for, 3.6 and 3.9): once one happened, every
 #: launch takes the portable kernel (same contract and outputs), after one RuntimeWarning.
 _sm90_failures: list[str] = []
+
+
+def _pipe_worth_it(sets: Sequence[CandidateSet], cfg: KernelConfig) -> bool:
+    """Whether the fp8 producer should load half a chunk ahead: a split has at least
+    ``cfg.sm90_pipe_min_chunks`` chunks known from the host. An indices-form set's width bounds
+    its candidates; a range-form set (a sliding window) counts none, its bound (the block
+    table's width) being far above what it holds."""
+    chunks = sum(_cdiv(s.indices.shape[1], cfg.block_n) for s in sets if s.indices is not None)
+    return chunks >= cfg.sm90_pipe_min_chunks * cfg.num_splits
 
 
 def _sm90_kernel(ws: bool):
