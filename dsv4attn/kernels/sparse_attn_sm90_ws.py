@@ -80,11 +80,18 @@ def _half_rows(h, split, num_splits):
 
 
 @gluon.jit
+def _row_place(x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
+    """Byte offsets in the cache of candidates ``j``'s 576 data bytes and 8 scale bytes (from
+    their slot lookups ``x``), and their validity: the one address formula of both producers."""
+    blk, off, valid = _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
+    return blk * stride_blk + off * 576, blk * stride_blk + block_size * 576 + off * 8, valid
+
+
+@gluon.jit
 def _load_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
     """Issue the loads of one half-chunk (``x``: its slot-lookup reads): fp8 bytes [32, 8, 64]
     (tile 7 masked), RoPE [32, 64] bf16, the 8 scale bytes per row as one int64, validity."""
-    blk, off, valid = _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
-    data = blk * stride_blk + off * 576
+    data, scale, valid = _row_place(x, j, start, block_size, capacity, stride_blk, IS_RANGE)
     t3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=P_TILE), 0), 2)
     c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=P_COL), 0), 1)
     d3 = gl.expand_dims(gl.expand_dims(data, 1), 2)
@@ -96,8 +103,7 @@ def _load_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANG
     rc = gl.arange(0, 64, layout=gl.SliceLayout(0, R_L))
     rptr = (cache_ptr + rdata + NOPE).to(gl.pointer_type(gl.bfloat16))
     rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(rc, 0), mask=gl.expand_dims(rvalid, 1), other=0.0)
-    sptr = (cache_ptr + blk * stride_blk + block_size * 576 + off * 8).to(gl.pointer_type(gl.int64))
-    sc = gl.load(sptr, mask=valid, other=0)
+    sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return raw, rope, sc, valid
 
 
@@ -222,9 +228,8 @@ def _stage_words(k_bufs, st):
 def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
     """:func:`_load_half` as 32-bit words: the 7 fp8 tiles [32, 16] int32 each, RoPE [32, 32]
     int32 (bf16 pairs), the scale word, validity."""
-    blk, off, valid = _candidate_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start,
-                                       block_size, capacity, IS_RANGE)
-    data = blk * stride_blk + off * 576
+    data, scale, valid = _row_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start, block_size,
+                                    capacity, stride_blk, IS_RANGE)
     wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
         gl.arange(0, 16, layout=gl.SliceLayout(0, WT_L)), 0)
     m = gl.expand_dims(valid, 1)
@@ -239,8 +244,7 @@ def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RAN
     rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
     rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0),
                    mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
-    sptr = (cache_ptr + blk * stride_blk + block_size * 576 + off * 8).to(gl.pointer_type(gl.int64))
-    sc = gl.load(sptr, mask=valid, other=0)
+    sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return r0, r1, r2, r3, r4, r5, r6, rope, sc, valid
 
 
