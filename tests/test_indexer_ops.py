@@ -260,14 +260,17 @@ def test_long_rows_in_every_score_order(order, topk, splits):
     check_exact(case, topk, idx, val)
 
 
-@pytest.mark.parametrize("topk,splits", [(512, 1), (512, 2), (512, None), (2048, 1)])
-def test_v4_shape_exact_against_reference(topk, splits):
+@pytest.mark.parametrize("topk,splits,opts", [(512, 1, {}), (512, 2, {}), (512, None, {}), (2048, 1, {}),
+                                              (512, 2, dict(words=False))],
+                         ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes"])
+def test_v4_shape_exact_against_reference(topk, splits, opts):
     """The production shape (64 heads of 128 dims, fp8 pages of 64 entries) at top-512 on rows
     of up to 2.3K entries, and at the largest top-k (2048) on rows of up to 4.6K: on the GPU this
     is the configuration the kernel is tuned for (bf16 tensor-core dots of 128 keys, the next
     step's loads issued ahead, several chunks per program), which the small shapes above never
     reach. Exact data, so the reference (fp32 einsum) and the kernel must agree bit for bit.
-    ``splits=None``: the op's own choice."""
+    ``splits=None``: the op's own choice. ``opts``: the kernel's other path (fp8 keys loaded as
+    bytes instead of 32-bit words)."""
     n = 2300 if topk == 512 else 4600
     case = make_case(3, 64, 128, 64, "fp8", seed=21, exact=True, max_len=n, holes=2, q_dtype=torch.bfloat16,
                      fill_all=True)
@@ -278,7 +281,7 @@ def test_v4_shape_exact_against_reference(topk, splits):
     else:
         args = list(_to_kernel_device("triton", {k: case[k] for k in ("q", "weights", "k_cache", "block_table",
                                                                        "token_to_req", "lengths")}).values())
-        got = [x.cpu() for x in _indexer_topk_triton(*args, topk, True, splits)]
+        got = [x.cpu() for x in _indexer_topk_triton(*args, topk, True, splits, **opts)]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert (want[0][0] >= 0).all()  # the long row fills its top-k
 

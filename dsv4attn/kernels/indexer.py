@@ -11,7 +11,11 @@ registers, so the work is ``O(lengths[t])`` per token and the only temporary is 
 Scoring a chunk: ``BLOCK_N`` keys at a time are gathered (fp8 bytes decoded with integer bit
 operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 rows), one
 ``tl.dot`` of the keys ``[BLOCK_N, D_P2]`` by ``q^T [D_P2, H_P2]`` gives every head's logits,
-then ``sum_h w[h] * ReLU(logit)``. Keys are the dot's rows: the decoded keys are its register
+then ``sum_h w[h] * ReLU(logit)``. fp8 keys are loaded as 32-bit words (``WORDS``, where the
+head dim is a multiple of 4 and ``D_P2 >= 64``): word ``v`` holds dims ``4v .. 4v+3``, and the
+dot runs as four dots of ``D_P2 / 4`` dims, byte ``j`` of every word against q^T's rows
+``4v + j``, so no byte moves between lanes (15% faster on the H200 than bytes, which Triton
+repacks; docs/benchmarks.md, Table 41). Keys are the dot's rows: the decoded keys are its register
 operand and each key's sum over heads stays within the threads that hold its row (with q as
 the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.5x slower
 on the H200). The program walks its steps of ``BLOCK_N`` entries in one flat
@@ -122,6 +126,68 @@ def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, nu
 
 
 @triton.jit
+def _gather_words(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                  cache_ptr, stride_cache_block,
+                  HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr):
+    """:func:`_gather_keys` for fp8 pages, the keys loaded as 32-bit words ``[BLOCK_N, D_P2 / 4]``
+    (word ``v`` of a key holds its dims ``4v .. 4v+3``): carried to the next step they take a
+    register per word, where a uint8 tensor takes a register per byte."""
+    SUBS: tl.constexpr = K_P2 // BLOCK_N
+    e = (split + (i // SUBS) * num_splits) * K_P2 + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = e < n
+    blk = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
+    valid = (blk >= 0) & (blk < num_blocks)
+    page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
+    off = tl.where(valid, e % block_size, 0).to(tl.int64)
+    vv = tl.arange(0, D_P2 // 4)
+    kmask = valid[:, None] & (vv < HEAD_DIM // 4)[None, :]
+    wptr = (cache_ptr + page[:, None] + off[:, None] * HEAD_DIM).to(tl.pointer_type(tl.int32))
+    x = tl.load(wptr + vv[None, :], mask=kmask, other=0)
+    sptr = (cache_ptr + page + block_size * HEAD_DIM + off * 4).to(tl.pointer_type(tl.float32))
+    scale = tl.load(sptr, mask=valid, other=0.0)
+    return x, scale, valid, e
+
+
+@triton.jit
+def _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM: tl.constexpr, H_P2: tl.constexpr,
+             D_P2: tl.constexpr, DOT_BF16: tl.constexpr, STEP: tl.constexpr, FIRST: tl.constexpr):
+    """q^T rows ``FIRST, FIRST + STEP, ...`` (``[D_P2 / STEP, H_P2]``) in the dot's input dtype."""
+    hh = tl.arange(0, H_P2)
+    dd = tl.arange(0, D_P2 // STEP) * STEP + FIRST
+    q = tl.load(q_ptr + t64 * stride_q_t + hh[None, :] * stride_q_h + dd[:, None],
+                mask=(hh < num_heads)[None, :] & (dd < HEAD_DIM)[:, None], other=0.0)
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _dot_byte(x, j: tl.constexpr, qt, acc, DOT_BF16: tl.constexpr):
+    """``acc + keys' dims 4v + j (byte j of every word of x) . qt`` (qt: those dims of q^T)."""
+    k = _decode_e4m3(((x >> (8 * j)) & 0xFF).to(tl.uint8))
+    if DOT_BF16:
+        acc = tl.dot(k.to(tl.bfloat16), qt, acc)
+    else:
+        acc = tl.dot(k, qt, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16: tl.constexpr):
+    """:func:`_score` of fp8 keys held as words: the dot over dims runs as four dots, one per byte
+    of a word (dims ``4v + j`` against q^T's rows ``4v + j``), so no byte is moved between lanes."""
+    acc = tl.zeros([x.shape[0], q0.shape[1]], tl.float32)
+    acc = _dot_byte(x, 0, q0, acc, DOT_BF16)
+    acc = _dot_byte(x, 1, q1, acc, DOT_BF16)
+    acc = _dot_byte(x, 2, q2, acc, DOT_BF16)
+    acc = _dot_byte(x, 3, q3, acc, DOT_BF16)
+    logits = acc * scale[:, None]  # power of two > 0: exact, commutes with ReLU
+    return tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+
+
+@triton.jit
 def _score(qt, w, x, scale, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
     """``sum_h w[h] * ReLU(q[h] . k)`` of gathered keys ``x [BLOCK_N, D_P2]`` -> fp32 ``[BLOCK_N]``
     (``qt``: q transposed, ``[D_P2, H_P2]``). Keys are the dot's rows: the decoded keys feed it
@@ -157,6 +223,7 @@ def _indexer_topk_kernel(
     num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, LOG_K: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
     int64 ``[T, num_splits, K_P2]``. Split s takes chunks ``s, s + num_splits, ...`` of the
@@ -171,29 +238,44 @@ def _indexer_topk_kernel(
     n = tl.where(req_ok, tl.minimum(tl.load(len_ptr + t), max_blocks * block_size), 0)
     req = tl.where(req_ok, req, 0)
     hh = tl.arange(0, H_P2)
-    dd = tl.arange(0, D_P2)
     hm = hh < num_heads
-    dm = dd < HEAD_DIM
-    q = tl.load(q_ptr + t64 * stride_q_t + hh[None, :] * stride_q_h + dd[:, None],
-                mask=hm[None, :] & dm[:, None], other=0.0)  # [D_P2, H_P2]: q^T
-    if DOT_BF16:
-        q = q.to(tl.bfloat16)
-    else:
-        q = q.to(tl.float32)
     w = tl.load(w_ptr + t64 * stride_w_t + hh, mask=hm, other=0.0)
+    if WORDS:
+        q0 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 0)
+        q1 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 1)
+        q2 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 2)
+        q3 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 3)
+        q = q0
+    else:
+        q = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 1, 0)
+        q0 = q
+        q1 = q
+        q2 = q
+        q3 = q
     scratch = scratch_ptr + (t64 * num_splits + split) * K_P2
     SUBS: tl.constexpr = K_P2 // BLOCK_N
     n_sub = tl.cdiv(tl.maximum(tl.cdiv(n, K_P2) - split, 0), num_splits) * SUBS  # this split's steps
     best = tl.full([K_P2], INT64_MIN, tl.int64)  # sorted descending
-    x, scale, valid, e = _gather_keys(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
-                                      block_size, cache_ptr, stride_cache_block, stride_cache_entry,
-                                      HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
+    if WORDS:
+        x, scale, valid, e = _gather_words(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                           block_size, cache_ptr, stride_cache_block, HEAD_DIM, D_P2, BLOCK_N, K_P2)
+    else:
+        x, scale, valid, e = _gather_keys(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                          block_size, cache_ptr, stride_cache_block, stride_cache_entry,
+                                          HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
     for i in range(0, n_sub):
         # the next step's loads are issued first: they travel while this step is scored
-        xn, scale_n, valid_n, e_n = _gather_keys(i + 1, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks,
-                                                 num_blocks, block_size, cache_ptr, stride_cache_block,
-                                                 stride_cache_entry, HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
-        s = _score(q, w, x, scale, IS_FP8, DOT_BF16)
+        if WORDS:
+            xn, scale_n, valid_n, e_n = _gather_words(i + 1, split, num_splits, n, req, bt_ptr, stride_bt,
+                                                      max_blocks, num_blocks, block_size, cache_ptr,
+                                                      stride_cache_block, HEAD_DIM, D_P2, BLOCK_N, K_P2)
+            s = _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16)
+        else:
+            xn, scale_n, valid_n, e_n = _gather_keys(i + 1, split, num_splits, n, req, bt_ptr, stride_bt,
+                                                     max_blocks, num_blocks, block_size, cache_ptr,
+                                                     stride_cache_block, stride_cache_entry, HEAD_DIM, D_P2,
+                                                     BLOCK_N, K_P2, IS_FP8)
+            s = _score(q, w, x, scale, IS_FP8, DOT_BF16)
         tl.store(scratch + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))
         if i % SUBS == SUBS - 1:  # a whole chunk of K_P2 keys is in the scratch row
             tl.debug_barrier()

@@ -19,9 +19,9 @@ from dsv4attn.reference.indexer import indexer_topk_ref
 
 _Q_DTYPES = (torch.bfloat16, torch.float32)
 #: Keys gathered per dot in the kernel (a [BLOCK_N, D] x [D, H] product per step, 4 warps): 128 on
-#: the bf16 tensor cores (H200, V4 shape: fastest of 64/128 keys x 4/8/16 warps although ptxas
-#: spills per thread at top-512: 256 bytes with Triton 3.9, ~960 with the H200's 3.6,
-#: docs/benchmarks.md); 32 for fp32 q (FMA dots, not timed: they spill ~2 KB per thread at 4
+#: the bf16 tensor cores (H200, V4 shape: fastest of 64/128 keys x 4/8/16 warps, docs/benchmarks.md
+#: Tables 29 and 41; ptxas, offline, sm_90a, top-512: 255 registers per thread with Triton 3.6,
+#: 249 with 3.9, no spills); 32 for fp32 q (FMA dots, not timed: they spill ~2 KB per thread at 4
 #: warps; offline, 16 warps would not spill).
 _BLOCK_N = {True: 128, False: 32}
 #: Largest top-k: the kernel keeps the best list in registers (engines use 512, 1024, 2048).
@@ -150,8 +150,11 @@ def _num_splits(num_tokens: int, device: torch.device) -> int:
     return max(1, min(_MAX_SPLITS, triton.cdiv(2 * sms, num_tokens)))
 
 
-def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits):
-    """Launch the Triton path on validated input with ``num_splits`` programs per token."""
+def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits, *,
+                         words=None, num_warps=4, block_n=None):
+    """Launch the Triton path on validated input with ``num_splits`` programs per token.
+    ``words`` (fp8 keys loaded as 32-bit words: default where the head dim allows, 15% faster on
+    the H200), ``num_warps`` and ``block_n`` (keys per dot) are there for tests and variant sweeps."""
     T, H, D = q.shape
     device = q.device
     idx = torch.empty((T, topk), dtype=torch.int32, device=device)
@@ -164,14 +167,17 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
     dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
     h_p2, d_p2 = _p2(H), _p2(D)
+    if words is None:  # a dot over D / 4 dims per byte of a word needs D_P2 / 4 >= 16
+        words = is_fp8 and D % 4 == 0 and d_p2 >= 64
     _indexer_topk_kernel[(T, num_splits)](
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         idx.stride(0), val.stride(0),
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
-        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(_BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
+        HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(block_n or _BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=log_k,
-        num_warps=4,
+        WORDS=bool(words and is_fp8),
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
