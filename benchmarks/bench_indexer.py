@@ -37,6 +37,20 @@ def _cache(num_blocks: int, device: torch.device) -> torch.Tensor:
     return cache
 
 
+def decode_case(B: int, ctx: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One decode step of ``B`` requests at context ``ctx``: ``(q, weights, k_cache, block_table,
+    token_to_req, lengths)`` for :func:`indexer_topk`, every request on its own shuffled blocks."""
+    n = ctx // 4
+    per_req = n // BS
+    cache = _cache(B * per_req, device)
+    table = torch.randperm(B * per_req, device=device).to(torch.int32).view(B, per_req)
+    q = torch.randn(B, H, D, device=device).to(torch.bfloat16)
+    w = torch.randn(B, H, device=device) * (H * D) ** -0.5
+    t2r = torch.arange(B, dtype=torch.int32, device=device)
+    lengths = torch.full((B,), n, dtype=torch.int32, device=device)
+    return q, w, cache, table, t2r, lengths
+
+
 def main() -> None:
     args = base_parser(__doc__.splitlines()[0]).parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -48,13 +62,7 @@ def main() -> None:
     rows: list[Row] = []
     for B, ctx in cases:
         n = ctx // 4
-        per_req = n // BS
-        cache = _cache(B * per_req, device)
-        table = torch.randperm(B * per_req, device=device).to(torch.int32).view(B, per_req)
-        q = torch.randn(B, H, D, device=device).to(torch.bfloat16)
-        w = torch.randn(B, H, device=device) * (H * D) ** -0.5
-        t2r = torch.arange(B, dtype=torch.int32, device=device)
-        lengths = torch.full((B,), n, dtype=torch.int32, device=device)
+        q, w, cache, table, t2r, lengths = decode_case(B, ctx, device)
         nbytes = B * (n * (D + 4) + H * D * 2 + H * 4 + TOPK * 8 + 8)
         for impl in impls:
             if impl == "reference" and B * n > (1 << 18):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.bench_indexer import BS, D, H, TOPK, _cache
+from benchmarks.bench_indexer import TOPK, decode_case
 from benchmarks.common import graph_us
 from dsv4attn.ops.indexer import _indexer_topk_triton, _num_splits
 
@@ -33,17 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     print("| variant | " + " | ".join(f"B{b} {c // 1024}K" for b, c in CASES) + " |")
     print("|---|" + "---|" * len(CASES))
-    inputs = []
-    for B, ctx in CASES:
-        n = ctx // 4
-        per_req = n // BS
-        cache = _cache(B * per_req, device)
-        table = torch.randperm(B * per_req, device=device).to(torch.int32).view(B, per_req)
-        q = torch.randn(B, H, D, device=device).to(torch.bfloat16)
-        w = torch.randn(B, H, device=device) * (H * D) ** -0.5
-        t2r = torch.arange(B, dtype=torch.int32, device=device)
-        lengths = torch.full((B,), n, dtype=torch.int32, device=device)
-        inputs.append((q, w, cache, table, t2r, lengths))
+    inputs = [decode_case(B, ctx, device) for B, ctx in CASES]
     base = [None] * len(CASES)
     for label, kw in VARIANTS:
         cells = []

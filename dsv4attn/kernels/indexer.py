@@ -97,14 +97,11 @@ def _merge_stage(x, K: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
-                 cache_ptr, stride_cache_block, stride_cache_entry,
-                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr,
-                 IS_FP8: tl.constexpr):
-    """Issue the loads of a split's step ``i`` (entries ``BLOCK_N`` at a time, chunk
-    ``split + (i // (K_P2 / BLOCK_N)) * num_splits``): ``(keys, scales, valid, entries)``. fp8
-    keys stay raw bytes (decoded where they are scored), scales are the entries' fp32 words
-    (1.0 for bf16/fp32 rows); entries past ``n`` or in holes are masked, never read."""
+def _step_entries(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                  stride_cache_block, BLOCK_N: tl.constexpr, K_P2: tl.constexpr):
+    """A split's step ``i`` (entries ``BLOCK_N`` at a time, chunk ``split + (i // (K_P2 / BLOCK_N))
+    * num_splits``) -> ``(entries, valid, page byte offsets, offsets in the page)``; entries past
+    ``n`` or in holes are invalid, with page and offset 0 (masked by the loads, never read)."""
     SUBS: tl.constexpr = K_P2 // BLOCK_N
     e = (split + (i // SUBS) * num_splits) * K_P2 + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = e < n
@@ -112,6 +109,19 @@ def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, nu
     valid = (blk >= 0) & (blk < num_blocks)
     page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
     off = tl.where(valid, e % block_size, 0).to(tl.int64)
+    return e, valid, page, off
+
+
+@triton.jit
+def _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                 cache_ptr, stride_cache_block, stride_cache_entry,
+                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr,
+                 IS_FP8: tl.constexpr):
+    """Issue the loads of a split's step ``i`` (:func:`_step_entries`): ``(keys, scales, valid,
+    entries)``. fp8 keys stay raw bytes (decoded where they are scored), scales are the entries'
+    fp32 words (1.0 for bf16/fp32 rows)."""
+    e, valid, page, off = _step_entries(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                        block_size, stride_cache_block, BLOCK_N, K_P2)
     dd = tl.arange(0, D_P2)
     kmask = valid[:, None] & (dd < HEAD_DIM)[None, :]
     if IS_FP8:
@@ -130,15 +140,11 @@ def _gather_words(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, n
                   cache_ptr, stride_cache_block,
                   HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr):
     """:func:`_gather_keys` for fp8 pages, the keys loaded as 32-bit words ``[BLOCK_N, D_P2 / 4]``
-    (word ``v`` of a key holds its dims ``4v .. 4v+3``): carried to the next step they take a
-    register per word, where a uint8 tensor takes a register per byte."""
-    SUBS: tl.constexpr = K_P2 // BLOCK_N
-    e = (split + (i // SUBS) * num_splits) * K_P2 + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = e < n
-    blk = block_id(bt_ptr, req, e // block_size, valid, stride_bt, 1, max_blocks)
-    valid = (blk >= 0) & (blk < num_blocks)
-    page = tl.where(valid, blk, 0).to(tl.int64) * stride_cache_block
-    off = tl.where(valid, e % block_size, 0).to(tl.int64)
+    (word ``v`` of a key holds its dims ``4v .. 4v+3``; the page's bytes are 4-byte aligned, which
+    the op checks). Scored by :func:`_score_words`, whose decode then needs no byte moved between
+    lanes (loaded as bytes, Triton repacks them: 512 PRMT instructions against 64 per program)."""
+    e, valid, page, off = _step_entries(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                        block_size, stride_cache_block, BLOCK_N, K_P2)
     vv = tl.arange(0, D_P2 // 4)
     kmask = valid[:, None] & (vv < HEAD_DIM // 4)[None, :]
     wptr = (cache_ptr + page[:, None] + off[:, None] * HEAD_DIM).to(tl.pointer_type(tl.int32))
