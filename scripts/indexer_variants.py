@@ -3,9 +3,9 @@
 Shapes of ``benchmarks/bench_indexer.py`` (64 heads x 128 dims, top-512, fp8 pages of 64
 entries, one query token per request, n = ctx / 4 entries); the variants are the launch
 overrides of ``dsv4attn.ops.indexer._indexer_topk_triton`` (fp8 keys as words or bytes, warps,
-keys per dot). Each variant's output is checked
-against the default's (same keys, same rule: identical indices, scores within the dots'
-summation-order rounding).
+keys per dot). Each variant's output is checked against the default's (same keys, same rule:
+identical indices, scores within the dots' summation-order rounding; near-ties that another
+summation order rounds apart show as a share of differing indices).
 
     python3 -m scripts.indexer_variants     # repository root, CUDA
 """

@@ -14,7 +14,7 @@ operations and multiplied by the entry's fp32 scale after the dot, or bf16/fp32 
 then ``sum_h w[h] * ReLU(logit)``. fp8 keys are loaded as 32-bit words (``WORDS``, where the
 head dim is a multiple of 4 and ``D_P2 >= 64``): word ``v`` holds dims ``4v .. 4v+3``, and the
 dot runs as four dots of ``D_P2 / 4`` dims, byte ``j`` of every word against q^T's rows
-``4v + j``, so no byte moves between lanes (15% faster on the H200 than bytes, which Triton
+``4v + j``, so no byte moves between lanes (13-15% faster on the H200 than bytes, which Triton
 repacks; docs/benchmarks.md, Table 41). Keys are the dot's rows: the decoded keys are its register
 operand and each key's sum over heads stays within the threads that hold its row (with q as
 the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.5x slower
