@@ -155,6 +155,22 @@ def _gather_words(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, n
 
 
 @triton.jit
+def _gather_step(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks, block_size,
+                 cache_ptr, stride_cache_block, stride_cache_entry,
+                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr,
+                 IS_FP8: tl.constexpr, WORDS: tl.constexpr):
+    """Step ``i``'s loads in the kernel's form: :func:`_gather_words` (WORDS) or :func:`_gather_keys`."""
+    if WORDS:
+        x, scale, valid, e = _gather_words(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                           block_size, cache_ptr, stride_cache_block, HEAD_DIM, D_P2, BLOCK_N, K_P2)
+    else:
+        x, scale, valid, e = _gather_keys(i, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                          block_size, cache_ptr, stride_cache_block, stride_cache_entry,
+                                          HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
+    return x, scale, valid, e
+
+
+@triton.jit
 def _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM: tl.constexpr, H_P2: tl.constexpr,
              D_P2: tl.constexpr, DOT_BF16: tl.constexpr, STEP: tl.constexpr, FIRST: tl.constexpr):
     """q^T rows ``FIRST, FIRST + STEP, ...`` (``[D_P2 / STEP, H_P2]``) in the dot's input dtype."""
@@ -189,7 +205,15 @@ def _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16: tl.constexpr):
     acc = _dot_byte(x, 1, q1, acc, DOT_BF16)
     acc = _dot_byte(x, 2, q2, acc, DOT_BF16)
     acc = _dot_byte(x, 3, q3, acc, DOT_BF16)
-    logits = acc * scale[:, None]  # power of two > 0: exact, commutes with ReLU
+    return _weigh(acc, scale, w, True)
+
+
+@triton.jit
+def _weigh(logits, scale, w, IS_FP8: tl.constexpr):
+    """Logits ``[BLOCK_N, H_P2]`` -> ``sum_h w[h] * ReLU(logit * scale)`` per key (fp8 keys: the
+    entry's scale, a power of two > 0: exact, and it commutes with ReLU)."""
+    if IS_FP8:
+        logits = logits * scale[:, None]
     return tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
 
 
@@ -203,9 +227,7 @@ def _score(qt, w, x, scale, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr):
         logits = tl.dot(k.to(tl.bfloat16), qt)  # [BLOCK_N, H_P2]: exact bf16 products, fp32 sums
     else:
         logits = tl.dot(k.to(tl.float32), qt, input_precision="ieee")
-    if IS_FP8:
-        logits = logits * scale[:, None]  # power of two > 0: exact, commutes with ReLU
-    return tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+    return _weigh(logits, scale, w, IS_FP8)
 
 
 @triton.jit
@@ -251,36 +273,23 @@ def _indexer_topk_kernel(
         q1 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 1)
         q2 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 2)
         q3 = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 4, 3)
-        q = q0
     else:
         q = _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM, H_P2, D_P2, DOT_BF16, 1, 0)
-        q0 = q
-        q1 = q
-        q2 = q
-        q3 = q
     scratch = scratch_ptr + (t64 * num_splits + split) * K_P2
     SUBS: tl.constexpr = K_P2 // BLOCK_N
     n_sub = tl.cdiv(tl.maximum(tl.cdiv(n, K_P2) - split, 0), num_splits) * SUBS  # this split's steps
     best = tl.full([K_P2], INT64_MIN, tl.int64)  # sorted descending
-    if WORDS:
-        x, scale, valid, e = _gather_words(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
-                                           block_size, cache_ptr, stride_cache_block, HEAD_DIM, D_P2, BLOCK_N, K_P2)
-    else:
-        x, scale, valid, e = _gather_keys(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
-                                          block_size, cache_ptr, stride_cache_block, stride_cache_entry,
-                                          HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8)
+    x, scale, valid, e = _gather_step(0, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks, num_blocks,
+                                      block_size, cache_ptr, stride_cache_block, stride_cache_entry,
+                                      HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8, WORDS)
     for i in range(0, n_sub):
         # the next step's loads are issued first: they travel while this step is scored
+        xn, scale_n, valid_n, e_n = _gather_step(i + 1, split, num_splits, n, req, bt_ptr, stride_bt, max_blocks,
+                                                 num_blocks, block_size, cache_ptr, stride_cache_block,
+                                                 stride_cache_entry, HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8, WORDS)
         if WORDS:
-            xn, scale_n, valid_n, e_n = _gather_words(i + 1, split, num_splits, n, req, bt_ptr, stride_bt,
-                                                      max_blocks, num_blocks, block_size, cache_ptr,
-                                                      stride_cache_block, HEAD_DIM, D_P2, BLOCK_N, K_P2)
             s = _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16)
         else:
-            xn, scale_n, valid_n, e_n = _gather_keys(i + 1, split, num_splits, n, req, bt_ptr, stride_bt,
-                                                     max_blocks, num_blocks, block_size, cache_ptr,
-                                                     stride_cache_block, stride_cache_entry, HEAD_DIM, D_P2,
-                                                     BLOCK_N, K_P2, IS_FP8)
             s = _score(q, w, x, scale, IS_FP8, DOT_BF16)
         tl.store(scratch + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))
         if i % SUBS == SUBS - 1:  # a whole chunk of K_P2 keys is in the scratch row
