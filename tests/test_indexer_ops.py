@@ -260,6 +260,32 @@ def test_long_rows_in_every_score_order(order, topk, splits):
     check_exact(case, topk, idx, val)
 
 
+@pytest.mark.parametrize("D", [24, 40, 64])
+def test_word_loads_asked_for_only_where_the_head_dim_allows(D, monkeypatch):
+    """``words=True`` on fp8 keys: head dims 40 and 64 take the word loads (40 with masked words),
+    24 (D_P2 / 4 = 8 < 16 dims per byte dot, which a GPU cannot compile) falls back to the byte
+    loads; all three equal the oracle exactly."""
+    import dsv4attn.ops.indexer as ops
+
+    launched = []
+    kernel = ops._indexer_topk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["WORDS"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ops, "_indexer_topk_kernel", Spy())
+    case = make_case(5, 3, D, 8, "fp8", seed=D, exact=True, max_len=60, holes=1)
+    args = list(_to_kernel_device("triton", {k: case[k] for k in ("q", "weights", "k_cache", "block_table",
+                                                                   "token_to_req", "lengths")}).values())
+    idx, val = (x.cpu() for x in _indexer_topk_triton(*args, 16, True, 1, words=True))
+    assert launched == [D != 24]
+    check_exact(case, 16, idx, val)
+
+
 @pytest.mark.parametrize("topk,splits,opts", [(512, 1, {}), (512, 2, {}), (512, None, {}), (2048, 1, {}),
                                               (512, 2, dict(words=False))],
                          ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes"])

@@ -168,8 +168,9 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
     dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
     h_p2, d_p2 = _p2(H), _p2(D)
-    if words is None:  # a dot over D / 4 dims per byte of a word needs D_P2 / 4 >= 16
-        words = is_fp8 and D % 4 == 0 and d_p2 >= 64
+    # fp8 keys as words where they can be: a dot over D / 4 dims per byte of a word needs D_P2 / 4 >= 16
+    can_words = is_fp8 and D % 4 == 0 and d_p2 >= 64
+    words = can_words if words is None else (words and can_words)
     _indexer_topk_kernel[(T, num_splits)](
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
@@ -177,7 +178,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(block_n or _BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=log_k,
-        WORDS=bool(words and is_fp8),
+        WORDS=bool(words),
         num_warps=num_warps,
     )
     if num_splits > 1:
