@@ -218,24 +218,33 @@ def test_triton_equals_reference_on_a_larger_exact_case():
 
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_row_splits_give_the_same_result(splits):
-    """Rows split over several programs (interleaved chunks, then a merge) give the single-program
-    result exactly: the keys are unique, so the merge order cannot matter."""
+    """Rows split over several programs (interleaved chunks, then a merge by the last split to
+    arrive) give the single-program result exactly: the keys are unique, so the merge order
+    cannot matter. The arrival counters are zero again after every launch (a second launch on
+    the same buffer merges too)."""
+    from dsv4attn.ops.indexer import _COUNTERS
+
     case = make_case(5, 4, 16, 4, "fp8", seed=12, exact=True, max_len=90, holes=2)
     args = list(_to_kernel_device("triton", {k: case[k] for k in ("q", "weights", "k_cache", "block_table",
                                                                    "token_to_req", "lengths")}).values())
     one = [x.cpu() for x in _indexer_topk_triton(*args, 16, True, 1)]
-    many = [x.cpu() for x in _indexer_topk_triton(*args, 16, True, splits)]
-    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    for _ in range(2):
+        many = [x.cpu() for x in _indexer_topk_triton(*args, 16, True, splits)]
+        assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+        assert not _COUNTERS[args[0].device][-1].any()
     check_exact(case, 16, *many)
 
 
+@pytest.mark.parametrize("few", [0, 4])
 @pytest.mark.parametrize("order", ["ascending", "descending", "sawtooth", "random"])
 @pytest.mark.parametrize("topk,splits", [(7, 1), (16, 1), (5, 3)])
-def test_long_rows_in_every_score_order(order, topk, splits):
+def test_long_rows_in_every_score_order(order, topk, splits, few):
     """Rows of many chunks whose scores rise, fall, rise in runs or come in random order: every
     chunk enters the best list (ascending), none after the first (descending: the skip), or some
     (the half-cleaner and bitonic merge on partly filled lists). Scores are small integers
-    (exact, many ties broken by index); the result must equal the oracle's exactly."""
+    (exact, many ties broken by index); the result must equal the oracle's exactly. ``few=4``:
+    chunks with at most 4 keys above the running threshold sort only those (all three ways a
+    chunk is merged then occur)."""
     n, bs, D = 203, 8, 16
     g = torch.Generator().manual_seed(topk * 7 + splits)
     cols = -(-n // bs)
@@ -256,7 +265,7 @@ def test_long_rows_in_every_score_order(order, topk, splits):
                 keys=keys, nb=cols + 2, bs=bs)
     args = list(_to_kernel_device("triton", {k: case[k] for k in ("q", "weights", "k_cache", "block_table",
                                                                    "token_to_req", "lengths")}).values())
-    idx, val = (x.cpu() for x in _indexer_topk_triton(*args, topk, False, splits))
+    idx, val = (x.cpu() for x in _indexer_topk_triton(*args, topk, False, splits, few=few))
     check_exact(case, topk, idx, val)
 
 
@@ -287,16 +296,17 @@ def test_word_loads_asked_for_only_where_the_head_dim_allows(D, monkeypatch):
 
 
 @pytest.mark.parametrize("topk,splits,opts", [(512, 1, {}), (512, 2, {}), (512, None, {}), (2048, 1, {}),
-                                              (512, 2, dict(words=False))],
-                         ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes"])
+                                              (512, 2, dict(words=False)), (512, 1, dict(few=0))],
+                         ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes", "512-1-whole"])
 def test_v4_shape_exact_against_reference(topk, splits, opts):
     """The production shape (64 heads of 128 dims, fp8 pages of 64 entries) at top-512 on rows
     of up to 2.3K entries, and at the largest top-k (2048) on rows of up to 4.6K: on the GPU this
     is the configuration the kernel is tuned for (bf16 tensor-core dots of 128 keys, the next
     step's loads issued ahead, several chunks per program), which the small shapes above never
     reach. Exact data, so the reference (fp32 einsum) and the kernel must agree bit for bit.
-    ``splits=None``: the op's own choice. ``opts``: the kernel's other path (fp8 keys loaded as
-    bytes instead of 32-bit words)."""
+    ``splits=None``: the op's own choice. ``opts``: the kernel's other paths (fp8 keys loaded as
+    bytes instead of 32-bit words; every chunk sorted whole, not only its keys above the threshold
+    when few are)."""
     n = 2300 if topk == 512 else 4600
     case = make_case(3, 64, 128, 64, "fp8", seed=21, exact=True, max_len=n, holes=2, q_dtype=torch.bfloat16,
                      fill_all=True)
@@ -412,3 +422,19 @@ def test_production_shape_gpu(kind, T):
         a = run(moved, 512, "triton")
         b = run(moved, 512, "reference")
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("tokens,want", [(1, 16), (16, 16), (64, 4), (65, 4), (100, 2), (132, 2), (133, 1),
+                                         (256, 1), (4096, 1)])
+def test_split_count_fills_one_wave(monkeypatch, tokens, want):
+    """On a GPU of 132 SMs (two programs each): as many programs per token as one wave holds,
+    rounded down (64 tokens take 4, not the 5 that start a second wave), capped at 16; the
+    interpreter takes 1."""
+    import types
+
+    from dsv4attn.ops import indexer as ops_indexer
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    assert ops_indexer._num_splits(tokens, torch.device("cuda")) == want
+    assert tokens * want <= 2 * 132 or want == 1
+    assert ops_indexer._num_splits(tokens, torch.device("cpu")) == 1

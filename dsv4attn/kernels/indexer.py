@@ -41,8 +41,10 @@ compares, small next to the chunk's ``K * H * D`` MACs).
 
 Few tokens with long rows (small-batch decode) would leave most SMs idle, so a row can be
 split over ``num_splits`` programs (interleaved chunks); each leaves its best list in its
-scratch row and :func:`_indexer_topk_merge_kernel` combines the lists with the same
-half-cleaner. Keys are unique, so the result does not depend on the split count.
+scratch row and counts itself in on the token's arrival counter, and the last to arrive merges
+the lists with the same half-cleaner and writes the top-k (no second launch; it resets the
+counter, so the buffer stays zero between launches). Keys are unique, so the result does not
+depend on the split count.
 """
 
 from __future__ import annotations
@@ -94,6 +96,32 @@ def _merge_stage(x, K: tl.constexpr, S: tl.constexpr):
     b = tl.sum(tl.where(first, 0, y), axis=1)
     y = tl.where(first, tl.maximum(a, b)[:, None, :], tl.minimum(a, b)[:, None, :])
     return tl.reshape(y, [K])
+
+
+@triton.jit
+def _merge_chunk_few(best, cand, K: tl.constexpr, LOG_K: tl.constexpr, FEW: tl.constexpr):
+    """Merge a chunk's keys ``cand [K]`` into the descending best list ``best [K]``, sorting only
+    the keys above ``best``'s last when at most ``FEW`` are (then slot s takes the chunk's
+    (s+1)-th such key, at the number of positions whose running count of them is <= s: a
+    histogram of the counts, summed up); more take the whole-chunk sort, none leave ``best`` as
+    it is."""
+    above = cand > tl.min(best, axis=0)
+    cnt = tl.sum(above.to(tl.int32), axis=0)
+    if cnt > FEW:
+        cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
+        best = _merge_desc(tl.maximum(best, cand), K, LOG_K)
+    elif cnt > 0:
+        run = tl.cumsum(above.to(tl.int32), axis=0)  # [K], nondecreasing
+        s = tl.arange(0, FEW)
+        # positions with a running count <= s, for each s: a histogram of the counts, summed up
+        at = tl.cumsum(tl.histogram(run, FEW, mask=run < FEW), axis=0)  # [FEW]: K past the last
+        few = tl.gather(cand, tl.minimum(at, K - 1), 0)
+        few = tl.sort(tl.where(s < cnt, few, INT64_MIN))  # ascending
+        j = tl.arange(0, K)
+        asc = tl.gather(few, tl.maximum(j - (K - FEW), 0), 0)  # [K]: the few last, ascending
+        asc = tl.where(j >= K - FEW, asc, INT64_MIN)
+        best = _merge_desc(tl.maximum(best, asc), K, LOG_K)
+    return best
 
 
 @triton.jit
@@ -244,20 +272,33 @@ def _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K
 
 
 @triton.jit
+def _merge_splits(base, num_splits, K_P2: tl.constexpr, LOG_K: tl.constexpr):
+    """The ``num_splits`` ascending best lists at ``base`` (int64 ``[num_splits, K_P2]``) -> their
+    top ``K_P2``, descending. Read from L2 (``.cg``): other SMs wrote them."""
+    j = tl.arange(0, K_P2)
+    best = tl.load(base + (K_P2 - 1) - j, cache_modifier=".cg")  # split 0, descending
+    for s in range(1, num_splits):
+        cand = tl.load(base + s * K_P2 + j, cache_modifier=".cg")  # ascending
+        if tl.max(cand, axis=0) > tl.min(best, axis=0):
+            best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
+    return best
+
+
+@triton.jit
 def _indexer_topk_kernel(
-    q_ptr, w_ptr, cache_ptr, bt_ptr, t2r_ptr, len_ptr, scratch_ptr, idx_ptr, val_ptr,
+    q_ptr, w_ptr, cache_ptr, bt_ptr, t2r_ptr, len_ptr, scratch_ptr, count_ptr, idx_ptr, val_ptr,
     stride_q_t, stride_q_h, stride_w_t, stride_cache_block, stride_cache_entry, stride_bt,
     stride_idx_t, stride_val_t,
     num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, LOG_K: tl.constexpr,
-    WORDS: tl.constexpr,
+    WORDS: tl.constexpr, FEW: tl.constexpr,
 ):
     """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
-    int64 ``[T, num_splits, K_P2]``. Split s takes chunks ``s, s + num_splits, ...`` of the
-    token's entries. Without SPLIT (num_splits == 1) it writes ``idx [T, topk]`` int32 and
-    ``val [T, topk]`` fp32; with SPLIT it leaves its best list in its scratch row, ascending,
-    for :func:`_indexer_topk_merge_kernel`."""
+    int64 ``[T, num_splits, K_P2]``, count int32 ``[>= T]`` all zero. Split s takes chunks ``s,
+    s + num_splits, ...`` of the token's entries. It writes ``idx [T, topk]`` int32 and
+    ``val [T, topk]`` fp32; with SPLIT each split leaves its best list in its scratch row,
+    ascending, and the last of the token's splits to arrive merges them (``count`` back to 0)."""
     t = tl.program_id(0)
     split = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -298,29 +339,20 @@ def _indexer_topk_kernel(
             tl.debug_barrier()  # every lane has read the chunk before the next one is written
             if i == SUBS - 1:
                 best = tl.sort(cand, descending=True)
+            elif FEW > 0:
+                best = _merge_chunk_few(best, cand, K_P2, LOG_K, FEW)
             elif tl.max(cand, axis=0) > tl.min(best, axis=0):
                 cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
                 best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
         x, scale, valid, e = xn, scale_n, valid_n, e_n
     if SPLIT:
         tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
+        tl.debug_barrier()  # every lane's stores are issued before the arrival (release, GPU scope)
+        arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+        if arrived == num_splits - 1:  # the token's other splits have all left their lists
+            tl.debug_barrier()
+            tl.store(count_ptr + t, 0)  # the next launch finds the counter at zero
+            best = _merge_splits(scratch_ptr + t64 * num_splits * K_P2, num_splits, K_P2, LOG_K)
+            _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)
     else:
         _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)
-
-
-@triton.jit
-def _indexer_topk_merge_kernel(
-    scratch_ptr, idx_ptr, val_ptr, stride_idx_t, stride_val_t, topk, num_splits, K_P2: tl.constexpr,
-    LOG_K: tl.constexpr,
-):
-    """Grid ``(T,)``: merge the ``num_splits`` ascending best lists of a token (scratch int64
-    ``[T, num_splits, K_P2]``) by the same bitonic half-cleaner, then write its top-k."""
-    t64 = tl.program_id(0).to(tl.int64)
-    base = scratch_ptr + t64 * num_splits * K_P2
-    j = tl.arange(0, K_P2)
-    best = tl.load(base + (K_P2 - 1) - j)  # split 0, descending
-    for s in range(1, num_splits):
-        cand = tl.load(base + s * K_P2 + j)  # ascending
-        if tl.max(cand, axis=0) > tl.min(best, axis=0):
-            best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
-    _store_topk(best, idx_ptr, val_ptr, t64, stride_idx_t, stride_val_t, topk, K_P2)

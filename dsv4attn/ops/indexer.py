@@ -13,7 +13,7 @@ import triton
 
 from dsv4attn._checks import check_tensor, same_device
 from dsv4attn.device import resolve_impl
-from dsv4attn.kernels.indexer import _indexer_topk_kernel, _indexer_topk_merge_kernel
+from dsv4attn.kernels.indexer import _indexer_topk_kernel
 from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
 
@@ -28,6 +28,10 @@ _BLOCK_N = {True: 128, False: 32}
 MAX_TOPK = 2048
 #: Most programs one token row is split over (small-batch decode of long contexts).
 _MAX_SPLITS = 16
+#: A chunk with at most this many keys above the running k-th best sorts only those (compacted
+#: in registers) instead of all of its keys: 4-12% faster at 64K entries on the H200, where most
+#: chunks of a long row bring few new keys (docs/benchmarks.md, Table 43).
+_FEW = 128
 
 
 def _p2(n: int, floor: int = 16) -> int:
@@ -141,21 +145,25 @@ def indexer_topk(
 
 
 def _num_splits(num_tokens: int, device: torch.device) -> int:
-    """Programs per token row: enough rows for about two programs per SM (CUDA), capped at
-    ``_MAX_SPLITS``; 1 on the interpreter. Chosen from the token count only (no host sync on
-    lengths): splits beyond a row's chunks return at once and merge as empty lists."""
+    """Programs per token row: as many as fit in one wave of two programs per SM (CUDA; at 4
+    warps and ~255 registers two share an SM), capped at ``_MAX_SPLITS``; 1 on the interpreter.
+    Rounded down: one program more than the wave holds starts a second wave that doubles the
+    time (B64 / 64K took 5 splits, 320 programs for 264 places). Chosen from the token count only
+    (no host sync on lengths): splits beyond a row's chunks return at once and merge as empty
+    lists."""
     if device.type != "cuda" or num_tokens == 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(_MAX_SPLITS, triton.cdiv(2 * sms, num_tokens)))
+    return max(1, min(_MAX_SPLITS, 2 * sms // num_tokens))
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits, *,
-                         words=None, num_warps=4, block_n=None):
+                         words=None, num_warps=4, block_n=None, few=None):
     """Launch the Triton path on validated input with ``num_splits`` programs per token.
     ``words`` (fp8 keys loaded as 32-bit words: default where the head dim allows, 13-15% faster
-    on the H200), ``num_warps`` and ``block_n`` (keys per dot) are there for tests and variant
-    sweeps."""
+    on the H200), ``num_warps``, ``block_n`` (keys per dot) and ``few`` (sort only a chunk's keys
+    above the running threshold when at most this many are: a power of two, 0 = off; default
+    ``_FEW``, at most half the list) are there for tests and variant sweeps."""
     T, H, D = q.shape
     device = q.device
     idx = torch.empty((T, topk), dtype=torch.int32, device=device)
@@ -165,6 +173,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     k_p2 = _p2(topk)
     log_k = k_p2.bit_length() - 1  # K_P2 = 2^log_k: the bitonic merge's stage count
     scratch = torch.empty((T, num_splits, k_p2), dtype=torch.int64, device=device)
+    counters = _split_counters(T, device) if num_splits > 1 else scratch  # unread without splits
     interp = device.type == "cpu"  # the interpreter's bf16 dot is unreliable: fp32 there
     dot_bf16 = q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and not interp
     h_p2, d_p2 = _p2(H), _p2(D)
@@ -172,16 +181,28 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     can_words = is_fp8 and D % 4 == 0 and d_p2 >= 64
     words = can_words if words is None else (words and can_words)
     _indexer_topk_kernel[(T, num_splits)](
-        q, weights, k_cache, block_table, token_to_req, lengths, scratch, idx, val,
+        q, weights, k_cache, block_table, token_to_req, lengths, scratch, counters, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         idx.stride(0), val.stride(0),
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(block_n or _BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=log_k,
-        WORDS=bool(words),
+        WORDS=bool(words), FEW=min(_FEW if few is None else few, k_p2 // 2),
         num_warps=num_warps,
     )
-    if num_splits > 1:
-        _indexer_topk_merge_kernel[(T,)](scratch, idx, val, idx.stride(0), val.stride(0), topk, num_splits,
-                                         K_P2=k_p2, LOG_K=log_k, num_warps=4)
     return idx, val
+
+
+#: Per device, the split kernel's arrival counters (int32, all zero between launches: the last
+#: split of each token resets its own). Kept for the process: CUDA graphs captured with a buffer
+#: read it on every replay, so a buffer is never freed, only joined by a larger one.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """A zero int32 buffer of at least ``num_tokens`` entries on ``device``, allocated once (at
+    least 64K entries). Launches that share it must run one after another, as on one stream."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < num_tokens:
+        bufs.append(torch.zeros(max(num_tokens, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
