@@ -40,7 +40,13 @@ class GroupedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         G = self.groups
         w = self.weight.view(G, -1, x.shape[-1])  # [G, out_g, in_g]
-        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        # the same batched product, written straight into [T, G, out_g] (cuBLAS takes the output's
+        # row stride): without autograd this saves the copy that einsum's [G, T, out_g] result needs
+        out = torch.empty(x.shape[0], G, w.shape[1], dtype=torch.result_type(x, w), device=x.device)
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        return out.flatten(1)
 
 
 class CSACompressor(Compressor):
@@ -82,6 +88,23 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = Compressor(c.hidden_size, D, self.ratio, overlap=False, eps=c.rms_norm_eps)
         else:
             self.compressor = None
+
+    def sinks_fp32(self) -> torch.Tensor:
+        """The sinks as the contiguous fp32 vector the attention op takes. Cached: a bf16 model
+        would otherwise convert them in every step of every layer. Refreshed in place when the
+        parameter changes (its version counter); CUDA graphs captured before such a change read
+        the tensor as it was until the next eager call refreshes it."""
+        s = self.sinks.detach()
+        if s.dtype == torch.float32 and s.is_contiguous():
+            return s
+        key = (s.data_ptr(), s._version, s.dtype, s.device)
+        cached = self.__dict__.get("_sinks_fp32")
+        if cached is None or cached[0] != key:
+            value = s.float().contiguous()
+            if cached is not None and cached[1].device == s.device and cached[1].shape == s.shape:
+                value = cached[1].copy_(value)
+            self.__dict__["_sinks_fp32"] = cached = (key, value)
+        return cached[1]
 
     @property
     def indexer(self) -> Indexer | None:

@@ -28,7 +28,7 @@ The single-layer :class:`dsv4attn.serving.runner.AttentionRunner` and the model 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +47,9 @@ from dsv4attn.kv_cache.specs import (
 )
 from dsv4attn.layers.attention import DeepseekV4Attention
 from dsv4attn.metadata import BatchMetadata, MetadataConfig, StepMetadata, StepMetadataBuilder
-from dsv4attn.serving.paged import CACHE_FIELD_SPECS, LayerCaches, alloc_layer_caches, layer_step, state_window
+from dsv4attn.serving.paged import (
+    CACHE_FIELD_SPECS, LayerCaches, StepTables, alloc_layer_caches, layer_step, state_window,
+)
 from dsv4attn.serving.prefix_cache import PrefixBlob
 
 if TYPE_CHECKING:  # graphs imports this module; the engine imports it lazily
@@ -96,6 +98,7 @@ class StepPlan:
     state_tables: Mapping[int, torch.Tensor]  # ratio -> windowed state table (see layer_step)
     bucket: int | None = None  # decode step padded to this CUDA-graph bucket (None: eager)
     state_positions: Mapping[int, torch.Tensor] | None = None  # ratio -> positions in the windowed table
+    tables: StepTables = field(default_factory=StepTables)  # per-step values its layers share
 
     @property
     def num_tokens(self) -> int:
@@ -696,7 +699,7 @@ class PagedAttentionEngine:
         with torch.no_grad():
             st, sp = plan.state(layer.ratio)
             return layer_step(layer, hidden, plan.metadata, self.builder, self.caches[i], st, impl=self.impl,
-                              deterministic=self.deterministic, state_positions=sp)
+                              deterministic=self.deterministic, state_positions=sp, tables=plan.tables)
 
     def end_step(self) -> StepPlan:
         """Close the step: its tokens count as computed (sliding groups release blocks)."""

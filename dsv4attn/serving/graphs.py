@@ -40,7 +40,7 @@ import torch
 from dsv4attn.kv_cache.allocator import NULL_BLOCK, cdiv
 from dsv4attn.kv_cache.specs import GROUP_C4_STATE, GROUP_C128_STATE, GROUP_FULL_MLA, GROUP_SWA
 from dsv4attn.metadata import BatchMetadata, StepMetadata
-from dsv4attn.serving.paged import layer_step, state_window
+from dsv4attn.serving.paged import StepTables, layer_step, state_window
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _STATE = {4: GROUP_C4_STATE, 128: GROUP_C128_STATE}
@@ -84,6 +84,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, StepMetadata] = {}
+        # per bucket: the values its layers share (rotary tables, pooling positions), read by the
+        # captured graphs and recomputed in place by each prepare
+        self.shared = {b: StepTables() for b in buckets}
         self._pool: torch.cuda._POOL_HANDLE | None = None  # the first capture's memory pool, shared
         for b in self.buckets:
             self.prepare([], [], b)  # all-pad step: builds the bucket's static metadata
@@ -157,6 +160,7 @@ class DecodeGraphs:
             for cm in meta.compressed.values():
                 cm.slot_mapping[R * q:].fill_(-1)
         self.steps[bucket] = meta
+        self.shared[bucket].refresh()
         return meta
 
     def state_table(self, bucket: int, ratio: int) -> torch.Tensor | None:
@@ -172,7 +176,7 @@ class DecodeGraphs:
         layer = eng.layers[i]
         return layer_step(layer, hidden, self.steps[bucket], eng.builder, eng.caches[i],
                           self.state_table(bucket, layer.ratio), impl=eng.impl, deterministic=eng.deterministic,
-                          state_positions=self.state_positions(bucket, layer.ratio))
+                          state_positions=self.state_positions(bucket, layer.ratio), tables=self.shared[bucket])
 
     def run(self, i: int, hidden: torch.Tensor, bucket: int) -> torch.Tensor:
         """Layer i on the prepared step: hidden ``[R * query_len, hidden]`` -> same shape (a copy)."""

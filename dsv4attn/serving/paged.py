@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from dsv4attn.kv_cache.layout import (
     FP8DSMLALayout,
@@ -175,6 +175,45 @@ def run_compressor(
     return comp.finish(pooled, cos, sin, hidden.dtype, impl=impl), entry_slots[: positions.shape[0]]
 
 
+class StepTables:
+    """Per-step tensors that every layer with the same inputs would otherwise compute again: the
+    rotary cos / sin at the step's positions (per rotary table and ratio) and the pooling
+    positions (per compress ratio). A V4 model has dozens of layers per table, so a step computes
+    each once (2-3 launches per compressing layer's step saved).
+
+    ``get(key, make)`` computes ``make()`` (a tuple of tensors) on first use and returns it after.
+    The eager engine keeps one per step. CUDA graphs keep one per bucket: the captured layer steps
+    read its tensors, so each step's ``prepare`` calls :meth:`refresh`, which runs every ``make``
+    again (they read the bucket's static inputs) and copies the results into the same tensors,
+    outside the layers' graphs."""
+
+    def __init__(self) -> None:
+        self._memo: dict[Hashable, tuple[Callable[[], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]] = {}
+
+    def get(self, key: Hashable, make: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (make, make())
+        return hit[1]
+
+    def refresh(self) -> None:
+        for make, outs in self._memo.values():
+            for out, new in zip(outs, make()):
+                out.copy_(new)
+
+
+def _rotary(layer: DeepseekV4Attention, pos: torch.Tensor, ratio: int, impl: str,
+            tables: StepTables | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer.rotary(pos, ratio)``, shared through ``tables`` by the layers of one rotary table."""
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.rotary(pos, ratio=ratio, impl=impl)
+    if tables is None:
+        return make()
+    rot = layer.rotary
+    cos, sin = tables.get(("rotary", rot.rope, rot.rope_dim, ratio), make)
+    return cos, sin
+
+
 def indexer_topk(
     layer: DeepseekV4Attention, qr: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     eligible: torch.Tensor, token_to_req: torch.Tensor, caches: LayerCaches, mla_table: torch.Tensor,
@@ -193,17 +232,18 @@ def indexer_topk(
 def layer_step(
     layer: DeepseekV4Attention, hidden: torch.Tensor, step: StepMetadata, builder: StepMetadataBuilder,
     caches: LayerCaches, state_table: torch.Tensor | None, impl: str = "auto", deterministic: bool = False,
-    state_positions: torch.Tensor | None = None,
+    state_positions: torch.Tensor | None = None, tables: StepTables | None = None,
 ) -> torch.Tensor:
     """hidden ``[T, hidden_size]`` of the step's tokens (batch order) -> output ``[T, hidden_size]``.
 
     ``state_table`` with ``state_positions`` (int64 ``[T]``): a windowed state table (row r from
     column ``base_r / tokens_per_block`` on) and the tokens' positions minus their request's
     ``base_r`` (:func:`state_window_base`); without ``state_positions`` the table is the
-    request's whole table and the positions are the raw ones."""
+    request's whole table and the positions are the raw ones. ``tables``: the step's
+    :class:`StepTables`, shared by its layers (None: this layer computes its own)."""
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
-    cos, sin = layer.rotary(pos, impl=impl)
+    cos, sin = _rotary(layer, pos, 1, impl, tables)
     proj = layer.project_inputs(hidden)  # one GEMM once the engine fused the input projections
     q, qr = layer.project_q(hidden, cos, sin, impl=impl, qa=proj[0])
     kv = layer.project_kv(hidden, cos, sin, impl=impl, kv=proj[1])
@@ -219,9 +259,10 @@ def layer_step(
         # the engine allocates compressed + state caches and a state table for every compressing layer
         assert caches.compressed is not None and caches.state is not None and state_table is not None
         cm = step.compressed[layer.ratio]
-        erope = layer.rotary(pos, ratio=layer.ratio, impl=impl)  # at each entry's first raw position
+        erope = _rotary(layer, pos, layer.ratio, impl, tables)  # at each entry's first raw position
         spos = pos if state_positions is None else state_positions[: pos.shape[0]]
-        ppos = completing_positions(spos, cm.slot_mapping)
+        ppos = (completing_positions(spos, cm.slot_mapping) if tables is None else
+                tables.get(("pool", layer.ratio), lambda: (completing_positions(spos, cm.slot_mapping),))[0])
         entries, slots = run_compressor(layer.compressor, hidden, spos, t2r, caches.state, state_table,
                                         cm.slot_mapping, ppos, erope, impl, proj=(proj[2], proj[3]))
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
@@ -245,6 +286,6 @@ def layer_step(
     # The Triton kernel multiplies on bf16 tensor cores whatever q's dtype; an fp32 layer asks
     # for fp32 attention, which the reference computes.
     attn_impl = impl if q.dtype == torch.bfloat16 else "reference"
-    attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks.float().contiguous(),
+    attn, _ = sparse_mla_attention(q.contiguous(), sets, scale, layer.sinks_fp32(),
                                    deterministic=deterministic, impl=attn_impl)
     return layer.project_out(attn, cos, sin, impl=impl)
