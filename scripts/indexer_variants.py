@@ -26,7 +26,9 @@ from dsv4attn.ops.indexer import _indexer_topk_triton, _num_splits
 
 CASES = ((64, 4096), (256, 4096), (64, 65536), (256, 65536))
 VARIANTS = [
-    ("words, 4 warps, few=128 (default)", {}),
+    ("words, 4 warps, few=128, PTX decode (default)", {}),
+    ("words, fp32 decode (asm=False)", dict(asm=False)),
+    ("words, 8 warps, fp32 decode", dict(num_warps=8, asm=False)),
     ("bytes, 4 warps", dict(words=False)),
     ("words, 8 warps", dict(num_warps=8)),
     ("bytes, 8 warps", dict(words=False, num_warps=8)),

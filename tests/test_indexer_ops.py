@@ -296,8 +296,9 @@ def test_word_loads_asked_for_only_where_the_head_dim_allows(D, monkeypatch):
 
 
 @pytest.mark.parametrize("topk,splits,opts", [(512, 1, {}), (512, 2, {}), (512, None, {}), (2048, 1, {}),
-                                              (512, 2, dict(words=False)), (512, 1, dict(few=0))],
-                         ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes", "512-1-whole"])
+                                              (512, 2, dict(words=False)), (512, 1, dict(few=0)),
+                                              (512, 1, dict(asm=False))],
+                         ids=["512-1", "512-2", "512-auto", "2048-1", "512-2-bytes", "512-1-whole", "512-1-noasm"])
 def test_v4_shape_exact_against_reference(topk, splits, opts):
     """The production shape (64 heads of 128 dims, fp8 pages of 64 entries) at top-512 on rows
     of up to 2.3K entries, and at the largest top-k (2048) on rows of up to 4.6K: on the GPU this
@@ -306,7 +307,7 @@ def test_v4_shape_exact_against_reference(topk, splits, opts):
     reach. Exact data, so the reference (fp32 einsum) and the kernel must agree bit for bit.
     ``splits=None``: the op's own choice. ``opts``: the kernel's other paths (fp8 keys loaded as
     bytes instead of 32-bit words; every chunk sorted whole, not only its keys above the threshold
-    when few are)."""
+    when few are; on a GPU, words decoded in fp32 instead of by the inline PTX)."""
     n = 2300 if topk == 512 else 4600
     case = make_case(3, 64, 128, 64, "fp8", seed=21, exact=True, max_len=n, holes=2, q_dtype=torch.bfloat16,
                      fill_all=True)
@@ -422,6 +423,38 @@ def test_production_shape_gpu(kind, T):
         a = run(moved, 512, "triton")
         b = run(moved, 512, "reference")
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_inline_ptx_decode_equals_torch_fp8():
+    """The GPU decode of word-loaded keys (``_e4m3_bf16``: integer moves and one bf16x2 multiply)
+    against torch's own e4m3fn -> bf16 conversion, for every byte value in every byte position of
+    a word: equal bit for bit (subnormals and -0 included). 0x7F / 0xFF, NaN in e4m3fn, decode to
+    +-480 as in the fp32 decode (the cache writers never store them)."""
+    import triton
+    import triton.language as tl
+
+    from dsv4attn.kernels.indexer import _e4m3_bf16
+
+    @triton.jit
+    def decode(x_ptr, o_ptr):
+        r = tl.arange(0, 64)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        x = tl.load(x_ptr + r)
+        tl.store(o_ptr + r * 4 + 0, _e4m3_bf16(x, 0))
+        tl.store(o_ptr + r * 4 + 1, _e4m3_bf16(x, 1))
+        tl.store(o_ptr + r * 4 + 2, _e4m3_bf16(x, 2))
+        tl.store(o_ptr + r * 4 + 3, _e4m3_bf16(x, 3))
+
+    dev = torch.device("cuda")
+    # 4096 words; byte j of word w is (w + 37 j) % 256: every value in every byte position
+    w = torch.arange(4096)
+    raw = torch.stack([(w + 37 * j) % 256 for j in range(4)], 1).to(torch.uint8).view(-1)
+    out = torch.empty(4096 * 4, dtype=torch.bfloat16, device=dev)
+    decode[(1,)](raw.to(dev).view(torch.int32), out, num_warps=4)
+    want = raw.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    nan = (raw & 0x7F) == 0x7F
+    want[nan] = torch.where(raw[nan] >= 128, -480.0, 480.0).to(torch.bfloat16)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("tokens,want", [(1, 16), (16, 16), (64, 4), (65, 4), (100, 2), (132, 2), (133, 1),

@@ -213,26 +213,67 @@ def _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM: tl.constex
     return q
 
 
+def _e4m3_pair_asm(sel: str) -> tl.constexpr:
+    """PTX taking byte j of two words (prmt selector ``sel``) to the pair's e4m3 values as bf16x2
+    (first word in the low half), exactly, by integer moves and one bf16x2 multiply. prmt puts
+    byte j of each word in bits 8-15 / 24-31; its sign is then a bf16 sign, and its 7 other bits,
+    shifted right by 4, are the low 4 exponent bits and top 3 mantissa bits of a bf16 whose value
+    is the e4m3 value times 2^-120 (subnormals included: bf16 keeps fp32's exponent range); the
+    fma scales by 2^120 (0x7B80) exactly and adds -0.0, so +-0 keep their sign. 5 instructions
+    per pair where the fp32 decode, its multiply and the pack to bf16 take about 9."""
+    return tl.constexpr(
+        "{ .reg .b32 y, s, c, z; prmt.b32 y, $1, $2, " + sel + "; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; "
+        "and.b32 y, y, 0x80008000; or.b32 y, y, s; mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; "
+        "fma.rn.bf16x2 $0, y, c, z; }")
+
+
+#: prmt selectors: byte j of the first word to byte 1, of the second to byte 3 (bytes 0 and 2 are
+#: masked off after)
+_E4M3_B0 = _e4m3_pair_asm("0x4000")
+_E4M3_B1 = _e4m3_pair_asm("0x5111")
+_E4M3_B2 = _e4m3_pair_asm("0x6222")
+_E4M3_B3 = _e4m3_pair_asm("0x7333")
+
+
 @triton.jit
-def _dot_byte(x, j: tl.constexpr, qt, acc, DOT_BF16: tl.constexpr):
-    """``acc + keys' dims 4v + j (byte j of every word of x) . qt`` (qt: those dims of q^T)."""
-    k = _decode_e4m3(((x >> (8 * j)) & 0xFF).to(tl.uint8))
-    if DOT_BF16:
-        acc = tl.dot(k.to(tl.bfloat16), qt, acc)
+def _e4m3_bf16(x, j: tl.constexpr):
+    """Byte ``j`` of every int32 word of ``x`` -> its e4m3 value as bf16, exactly (the PTX of
+    :func:`_e4m3_pair_asm`, two elements per instance: CUDA sm_80+ only)."""
+    if j == 0:
+        k = tl.inline_asm_elementwise(_E4M3_B0, "=r,r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif j == 1:
+        k = tl.inline_asm_elementwise(_E4M3_B1, "=r,r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif j == 2:
+        k = tl.inline_asm_elementwise(_E4M3_B2, "=r,r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
-        acc = tl.dot(k, qt, acc, input_precision="ieee")
+        k = tl.inline_asm_elementwise(_E4M3_B3, "=r,r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return k
+
+
+@triton.jit
+def _dot_byte(x, j: tl.constexpr, qt, acc, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
+    """``acc + keys' dims 4v + j (byte j of every word of x) . qt`` (qt: those dims of q^T).
+    ``ASM``: decode straight to bf16 pairs by inline PTX (:func:`_e4m3_bf16`)."""
+    if ASM:
+        acc = tl.dot(_e4m3_bf16(x, j), qt, acc)
+    else:
+        k = _decode_e4m3(((x >> (8 * j)) & 0xFF).to(tl.uint8))
+        if DOT_BF16:
+            acc = tl.dot(k.to(tl.bfloat16), qt, acc)
+        else:
+            acc = tl.dot(k, qt, acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16: tl.constexpr):
+def _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16: tl.constexpr, ASM: tl.constexpr):
     """:func:`_score` of fp8 keys held as words: the dot over dims runs as four dots, one per byte
     of a word (dims ``4v + j`` against q^T's rows ``4v + j``), so no byte is moved between lanes."""
     acc = tl.zeros([x.shape[0], q0.shape[1]], tl.float32)
-    acc = _dot_byte(x, 0, q0, acc, DOT_BF16)
-    acc = _dot_byte(x, 1, q1, acc, DOT_BF16)
-    acc = _dot_byte(x, 2, q2, acc, DOT_BF16)
-    acc = _dot_byte(x, 3, q3, acc, DOT_BF16)
+    acc = _dot_byte(x, 0, q0, acc, DOT_BF16, ASM)
+    acc = _dot_byte(x, 1, q1, acc, DOT_BF16, ASM)
+    acc = _dot_byte(x, 2, q2, acc, DOT_BF16, ASM)
+    acc = _dot_byte(x, 3, q3, acc, DOT_BF16, ASM)
     return _weigh(acc, scale, w, True)
 
 
@@ -292,7 +333,7 @@ def _indexer_topk_kernel(
     num_heads, num_reqs, block_size, max_blocks, num_blocks, topk, num_splits,
     HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     K_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_BF16: tl.constexpr, SPLIT: tl.constexpr, LOG_K: tl.constexpr,
-    WORDS: tl.constexpr, FEW: tl.constexpr,
+    WORDS: tl.constexpr, FEW: tl.constexpr, ASM: tl.constexpr,
 ):
     """Grid ``(T, num_splits)``. q ``[T, H, D]`` (last dim contiguous), w fp32 ``[T, H]``, scratch
     int64 ``[T, num_splits, K_P2]``, count int32 ``[>= T]`` all zero. Split s takes chunks ``s,
@@ -329,7 +370,7 @@ def _indexer_topk_kernel(
                                                  num_blocks, block_size, cache_ptr, stride_cache_block,
                                                  stride_cache_entry, HEAD_DIM, D_P2, BLOCK_N, K_P2, IS_FP8, WORDS)
         if WORDS:
-            s = _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16)
+            s = _score_words(q0, q1, q2, q3, w, x, scale, DOT_BF16, ASM)
         else:
             s = _score(q, w, x, scale, IS_FP8, DOT_BF16)
         tl.store(scratch + (i % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N), _score_keys(s, e, valid))

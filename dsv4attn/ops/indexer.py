@@ -158,12 +158,14 @@ def _num_splits(num_tokens: int, device: torch.device) -> int:
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits, *,
-                         words=None, num_warps=4, block_n=None, few=None):
+                         words=None, num_warps=4, block_n=None, few=None, asm=None):
     """Launch the Triton path on validated input with ``num_splits`` programs per token.
     ``words`` (fp8 keys loaded as 32-bit words: default where the head dim allows, 13-15% faster
     on the H200), ``num_warps``, ``block_n`` (keys per dot) and ``few`` (sort only a chunk's keys
     above the running threshold when at most this many are: a power of two, 0 = off; default
-    ``_FEW``, at most half the list) are there for tests and variant sweeps."""
+    ``_FEW``, at most half the list) and ``asm`` (word-loaded fp8 keys decoded to bf16 pairs by
+    inline PTX; default on CUDA devices of compute capability 8.0 and up, the only ones it
+    compiles for) are there for tests and variant sweeps."""
     T, H, D = q.shape
     device = q.device
     idx = torch.empty((T, topk), dtype=torch.int32, device=device)
@@ -180,6 +182,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     # fp8 keys as words where they can be: a dot over D / 4 dims per byte of a word needs D_P2 / 4 >= 16
     can_words = is_fp8 and D % 4 == 0 and d_p2 >= 64
     words = can_words if words is None else (words and can_words)
+    can_asm = bool(words) and dot_bf16 and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    asm = can_asm if asm is None else (asm and can_asm)
     _indexer_topk_kernel[(T, num_splits)](
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, counters, idx, val,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
@@ -187,7 +191,7 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
         H, block_table.shape[0], k_cache.shape[1], block_table.shape[1], k_cache.shape[0], topk, num_splits,
         HEAD_DIM=D, H_P2=h_p2, D_P2=d_p2, BLOCK_N=min(block_n or _BLOCK_N[dot_bf16], k_p2), K_P2=k_p2,
         IS_FP8=is_fp8, DOT_BF16=dot_bf16, SPLIT=num_splits > 1, LOG_K=log_k,
-        WORDS=bool(words), FEW=min(_FEW if few is None else few, k_p2 // 2),
+        WORDS=bool(words), FEW=min(_FEW if few is None else few, k_p2 // 2), ASM=bool(asm),
         num_warps=num_warps,
     )
     return idx, val
