@@ -49,6 +49,8 @@ def oracle(x, cos, sin, eps, weight, inverse):
 
 CASES = [  # (shape, half, norm): norm 0 none, 1 weightless, 2 weighted
     ((5, 3, 80), 8, 1), ((5, 80), 8, 2), ((4, 2, 64), 32, 0), ((6, 48), 0, 2), ((3, 4, 24), 4, 1), ((7, 1, 40), 4, 2),
+    # 8+ heads per token: several rows per program, with a partial last program (33 and 18 rows)
+    ((3, 11, 64), 16, 1), ((2, 9, 48), 8, 2), ((5, 8, 32), 16, 0),
 ]
 
 
@@ -84,6 +86,26 @@ def test_kernel_matches_reference_and_oracle(shape, half, norm, dtype, in_fp32, 
     scale = want.abs().amax(dim=-1, keepdim=True)
     tol = 3 * 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     assert torch.all((ref.double() - want).abs() <= tol * scale + 1e-12)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rows_do_not_depend_on_the_batch(inplace, device):
+    """Batch invariance: a token's rows come out bit for bit the same computed alone, in a slice
+    of the batch or in the whole batch (programs take several head rows, across tokens)."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(7, 9, 64, generator=g) * 3).to(device)
+    w = torch.randn(64, generator=g).to(device)
+    cos, sin = (t.to(device) for t in _tables(7, 16, seed=2))
+
+    def run(lo, hi):
+        if inplace:
+            y = x[lo:hi].to(torch.bfloat16)
+            return norm_rope(y, cos[lo:hi], sin[lo:hi], inverse=True, out=y, impl="triton").cpu()
+        return norm_rope(x[lo:hi], cos[lo:hi], sin[lo:hi], eps=1e-6, weight=w, dtype=torch.bfloat16,
+                         impl="triton").cpu()
+
+    whole = run(0, 7)
+    assert torch.equal(run(2, 3), whole[2:3]) and torch.equal(run(3, 6), whole[3:6])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,7 +1,8 @@
 """Triton fused RMSNorm + interleaved RoPE over rows (the per-layer glue of the attention step).
 
-Grid ``(N * G,)``: one program per row ``(n, g)`` of ``x [N, G, D]``. It loads the row once for
-the RMS statistics, writes the normed NoPE channels, then reloads the rope channels as
+Grid ``(cdiv(N * G, BLOCK_R),)``: each program takes ``BLOCK_R`` rows ``(n, g)`` of
+``x [N, G, D]`` (a few KB, so that decode's thousands of 1 KB rows are not one small program
+each). It loads its rows once for the RMS statistics, writes the normed NoPE channels, then reloads the rope channels as
 even/odd halves (``nope + 2i``, ``nope + 2i + 1``), normalises and rounds them as the reference
 does, rotates them by cos/sin row ``n`` and writes them. Every rounding of the reference
 (:mod:`dsv4attn.reference.norm_rope`) happens at the same place, with the integer bf16 rounding
@@ -28,7 +29,8 @@ def _round(x, ROUND_BF16: tl.constexpr):
 
 @triton.jit
 def _normed(x, w_ptr, idx, mask, rs, NORM: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """The norm's output for channels ``idx`` (already rounded to the out dtype)."""
+    """The norm's output for channels ``idx`` (``[1, n]``; ``rs`` ``[rows, 1]``), already rounded
+    to the out dtype."""
     if NORM == 1:  # weightless: x * rsqrt(...) with the multiply in the out dtype
         x = x * _round(rs, ROUND_BF16)
     if NORM == 2:  # weighted: weight * (x * rsqrt(...)) in fp32
@@ -40,43 +42,48 @@ def _normed(x, w_ptr, idx, mask, rs, NORM: tl.constexpr, ROUND_BF16: tl.constexp
 @triton.jit
 def _norm_rope_kernel(
     x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr,
-    stride_xn, stride_xg, stride_on, stride_og, stride_cn, G, D, eps,
+    stride_xn, stride_xg, stride_on, stride_og, stride_cn, NG, G, D, eps,
     NORM: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, INVERSE: tl.constexpr,
     ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, ROPE_ONLY: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """NORM: 0 none, 1 weightless, 2 weighted. HALF: rope pairs (0 = no rope). ROUND_IN: the
-    input is rounded to bf16 first (fp32 input, bf16 out). ROUND_BF16: the out dtype is bf16."""
-    row = tl.program_id(0)
-    n = (row // G).to(tl.int64)
-    g = (row % G).to(tl.int64)
-    src = x_ptr + n * stride_xn + g * stride_xg
+    input is rounded to bf16 first (fp32 input, bf16 out). ROUND_BF16: the out dtype is bf16.
+    Rows ``BLOCK_R * program .. + BLOCK_R - 1`` of the ``NG = N * G`` rows; each row's sums stay
+    within that row, so its result does not depend on the rows beside it."""
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = (row < NG)[:, None]
+    row = tl.where(row < NG, row, 0)
+    n = (row // G).to(tl.int64)[:, None]
+    g = (row % G).to(tl.int64)[:, None]
+    src = x_ptr + n * stride_xn + g * stride_xg  # [BLOCK_R, 1]
     dst = out_ptr + n * stride_on + g * stride_og
     nope = D - 2 * HALF
-    rs = 0.0
+    rs = tl.zeros([BLOCK_R, 1], tl.float32)
     if not ROPE_ONLY:
-        d = tl.arange(0, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)[None, :]
         m = d < D
-        x = _round(tl.load(src + d, mask=m, other=0.0).to(tl.float32), ROUND_IN)
+        x = _round(tl.load(src + d, mask=rm & m, other=0.0).to(tl.float32), ROUND_IN)
         if NORM != 0:
-            rs = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+            rs = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1, keep_dims=True) / D + eps)
         y = _normed(x, w_ptr, d, m, rs, NORM, ROUND_BF16)
-        tl.store(dst + d, y.to(out_ptr.dtype.element_ty), mask=d < nope)
+        tl.store(dst + d, y.to(out_ptr.dtype.element_ty), mask=rm & (d < nope))
     if HALF > 0:
-        i = tl.arange(0, HALF_P2)
+        i = tl.arange(0, HALF_P2)[None, :]
         mi = i < HALF
         pe = nope + 2 * i
-        xe = _round(tl.load(src + pe, mask=mi, other=0.0).to(tl.float32), ROUND_IN)
-        xo = _round(tl.load(src + pe + 1, mask=mi, other=0.0).to(tl.float32), ROUND_IN)
+        xe = _round(tl.load(src + pe, mask=rm & mi, other=0.0).to(tl.float32), ROUND_IN)
+        xo = _round(tl.load(src + pe + 1, mask=rm & mi, other=0.0).to(tl.float32), ROUND_IN)
         ye = _normed(xe, w_ptr, pe, mi, rs, NORM, ROUND_BF16)
         yo = _normed(xo, w_ptr, pe + 1, mi, rs, NORM, ROUND_BF16)
-        c = tl.load(cos_ptr + n * stride_cn + i, mask=mi, other=0.0)
-        s = tl.load(sin_ptr + n * stride_cn + i, mask=mi, other=0.0)
+        c = tl.load(cos_ptr + n * stride_cn + i, mask=rm & mi, other=0.0)
+        s = tl.load(sin_ptr + n * stride_cn + i, mask=rm & mi, other=0.0)
         if INVERSE:
             s = -s
         oe = _round(ye * c - yo * s, ROUND_BF16)
         oo = _round(yo * c + ye * s, ROUND_BF16)
-        tl.store(dst + pe, oe.to(out_ptr.dtype.element_ty), mask=mi)
-        tl.store(dst + pe + 1, oo.to(out_ptr.dtype.element_ty), mask=mi)
+        tl.store(dst + pe, oe.to(out_ptr.dtype.element_ty), mask=rm & mi)
+        tl.store(dst + pe + 1, oo.to(out_ptr.dtype.element_ty), mask=rm & mi)
 
 
 @triton.jit

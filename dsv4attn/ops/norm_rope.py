@@ -20,6 +20,9 @@ _POS_DTYPES = (torch.int32, torch.int64)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 #: Out dtypes the kernel writes (it rounds to bf16 with integer operations); others -> reference.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+#: Rows per program for tensors of 8 or more heads per token (scripts/norm_rope_variants.py;
+#: docs/benchmarks.md, Table 45: 8 rows took the q norm + RoPE of a B256 step from 29 to 12 us).
+_HEAD_ROWS = 8
 
 
 def norm_rope(
@@ -95,15 +98,23 @@ def norm_rope(
     c = cos if cos is not None else x  # placeholders never read when half == 0
     s = sin if sin is not None else x
     block_d = triton.next_power_of_2(D)
-    _norm_rope_kernel[(N * G,)](
+    half_p2 = triton.next_power_of_2(max(half, 1))
+    rope_only = norm == 0 and half > 0 and out.data_ptr() == x.data_ptr() and x.dtype == dtype
+    # Rows per program: _HEAD_ROWS where a token has many head rows (q, the indexer's queries, the
+    # output's inverse rotation: thousands of rows per step), one otherwise (a step's few hundred
+    # rows of kv or entries want as many programs as they can get). Chosen from the model's
+    # shape, never from the token count: a row's sums then run in the same order whatever the
+    # batch (batch-invariant).
+    block_r = _HEAD_ROWS if G >= 8 else 1
+    width = block_r * (2 * half_p2 if rope_only else block_d)
+    _norm_rope_kernel[(triton.cdiv(N * G, block_r),)](
         x3, o3, weight if weight is not None else x, c, s,
-        x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), c.stride(0) if half else 0, G, D,
+        x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), c.stride(0) if half else 0, N * G, G, D,
         0.0 if eps is None else float(eps),
-        NORM=norm, HALF=half, HALF_P2=triton.next_power_of_2(max(half, 1)), INVERSE=inverse,
+        NORM=norm, HALF=half, HALF_P2=half_p2, INVERSE=inverse,
         ROUND_IN=x.dtype != torch.bfloat16 and dtype == torch.bfloat16,
-        ROUND_BF16=dtype == torch.bfloat16, ROPE_ONLY=norm == 0 and half > 0 and out.data_ptr() == x.data_ptr()
-        and x.dtype == dtype,
-        BLOCK_D=block_d, num_warps=4 if block_d >= 512 else 1, enable_fp_fusion=False,
+        ROUND_BF16=dtype == torch.bfloat16, ROPE_ONLY=rope_only,
+        BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4 if width >= 512 else 1, enable_fp_fusion=False,
     )
     return out
 
