@@ -15,7 +15,8 @@ then ``sum_h w[h] * ReLU(logit)``. fp8 keys are loaded as 32-bit words (``WORDS`
 head dim is a multiple of 4 and ``D_P2 >= 64``): word ``v`` holds dims ``4v .. 4v+3``, and the
 dot runs as four dots of ``D_P2 / 4`` dims, byte ``j`` of every word against q^T's rows
 ``4v + j``, so no byte moves between lanes (13-15% faster on the H200 than bytes, which Triton
-repacks; docs/benchmarks.md, Table 41). Keys are the dot's rows: the decoded keys are its register
+repacks; docs/benchmarks.md, Table 41); on CUDA sm_80+ (``ASM``) the words are decoded to bf16
+pairs by inline PTX, 5 instructions per pair (Table 44). Keys are the dot's rows: the decoded keys are its register
 operand and each key's sum over heads stays within the threads that hold its row (with q as
 the rows, the keys went through shared memory and the head sum crossed warps: 1.3-1.5x slower
 on the H200). The program walks its steps of ``BLOCK_N`` entries in one flat
@@ -34,7 +35,8 @@ no tie handling remains. A chunk's keys are written to the scratch row (the dot 
 half-cleaner ``max(best[i], chunk[i])`` (which yields exactly the top ``K_P2`` of the union as
 one bitonic sequence), then put in descending order by a bitonic merge (``log2 K_P2`` stages
 instead of a second sort's ``~log2^2 K_P2 / 2``). The first chunk is just sorted; later chunks
-whose best key does not beat the current ``K_P2``-th are skipped. Compared with a radix select over a ``[T, n]``
+whose best key does not beat the current ``K_P2``-th are skipped, and chunks where at most ``FEW``
+keys do sort only those (:func:`_merge_chunk_few`; Table 43). Compared with a radix select over a ``[T, n]``
 score workspace this needs no workspace sized by the context and one pass over the keys; the
 price is a bitonic sort and a bitonic merge of ``K_P2`` int64 per chunk (``~K log^2 K``
 compares, small next to the chunk's ``K * H * D`` MACs).
