@@ -5,8 +5,9 @@ and write, per distinct specialisation, the kernel's module and name, its argume
 (pointer dtypes, int widths, 16-divisibility of ints and pointers as Triton would specialise
 them), its constexprs and launch options, to a JSON file.
 Step 2 (``compile``): in a process without the interpreter, compile each recorded specialisation
-with ``triton.compile`` for the given targets (default sm_80 and sm_90) and report failures:
-what a GPU with another architecture or another Triton release would hit on first use.
+(and the GPU-only forms derived from it: :func:`gpu_only_variants`) with ``triton.compile`` for
+the given targets (default sm_80 and sm_90) and report failures: what a GPU with another
+architecture or another Triton release would hit on first use.
 
     python3 -m scripts.compile_check record specs.json tests/test_sparse_attn.py ...
     python3 -m scripts.compile_check compile specs.json [--targets 80,90] [--sm90]
@@ -45,6 +46,17 @@ def record(out_path: str, pytest_args: list[str]) -> None:
         sys.exit(f"recording failed: pytest rc {rc}, {len(specs)} specialisations")
 
 
+def gpu_only_variants(spec: dict) -> list[dict]:
+    """Specialisations a GPU launches that the interpreter never records, derived from a recorded
+    one: the indexer's word-loaded fp8 keys with bf16 dots (128 keys per dot) and the inline-PTX
+    decode (the interpreter scores in fp32 and cannot run PTX)."""
+    const = dict(spec["constexprs"])
+    if spec["name"] != "_indexer_topk_kernel" or not const.get("WORDS"):
+        return []
+    const.update(DOT_BF16=True, ASM=True, BLOCK_N=min(128, const["K_P2"]))
+    return [dict(spec, constexprs=const, signature=dict(spec["signature"], q_ptr="*bf16"))]
+
+
 def compile_all(path: str, targets: list[int]) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -52,6 +64,7 @@ def compile_all(path: str, targets: list[int]) -> int:
 
     # The library's kernels only (a test may define a helper kernel of its own).
     specs = [s for s in json.load(open(path)) if s["module"].startswith("dsv4attn.")]
+    specs += [v for s in specs for v in gpu_only_variants(s)]
     failures = 0  # an empty record is refused where it is made (record exits non-zero)
     for cc in targets:
         ok = 0
