@@ -57,6 +57,17 @@ def supported_paths(device: torch.device | str) -> tuple[str, ...]:
     return ("reference",)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (asked once per device): what the kernels'
+    split choices size their grids by."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resolve_impl(impl: str, device: torch.device | str) -> str:
     """Map ``impl`` ("auto" | "triton" | "reference") to the path that runs on ``device``.
 

@@ -463,11 +463,9 @@ def test_split_count_fills_one_wave(monkeypatch, tokens, want):
     """On a GPU of 132 SMs (two programs each): as many programs per token as one wave holds,
     rounded down (64 tokens take 4, not the 5 that start a second wave), capped at 16; the
     interpreter takes 1."""
-    import types
-
     from dsv4attn.ops import indexer as ops_indexer
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(ops_indexer, "sm_count", lambda d: 132)
     assert ops_indexer._num_splits(tokens, torch.device("cuda")) == want
     assert tokens * want <= 2 * 132 or want == 1
     assert ops_indexer._num_splits(tokens, torch.device("cpu")) == 1

@@ -63,7 +63,7 @@ def test_changed_heads_tokens_dtype_layout_after_cached_call(device):
 def test_cached_config_equals_uncached_and_keys_the_device(monkeypatch):
     """The config LRU returns exactly kernel_config's answer, per device index (SM counts
     differ between devices; a cached answer of one device must not serve another)."""
-    monkeypatch.setattr(sl, "_sm_count", lambda dev: {0: 132, 1: 16}[dev.index])
+    monkeypatch.setattr(sl, "sm_count", lambda dev: {0: 132, 1: 16}[dev.index])
     monkeypatch.setattr(sl, "sm90_kernel_available", lambda dev: dev.index == 0)  # no real device 1 needed
     sl._cached_config.cache_clear()
     try:

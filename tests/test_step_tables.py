@@ -122,3 +122,22 @@ def test_sinks_fp32_cached_until_the_parameter_changes():
     torch.testing.assert_close(again, layer.sinks.float(), rtol=0, atol=0)
     fp32 = _layers()[0]
     assert fp32.sinks_fp32().data_ptr() == fp32.sinks.data_ptr()
+
+
+def test_layer_step_refuses_other_tables_before_writing_a_cache():
+    """``layer_step(tables=...)`` takes a StepTables or None: anything else is a TypeError naming
+    the argument, raised before the step writes its caches (they keep their bytes)."""
+    from dsv4attn.serving.paged import layer_step
+
+    layers = _layers()
+    eng = PagedAttentionEngine(layers, "auto", max_model_len=400, max_num_batched_tokens=160, max_num_reqs=4,
+                               num_blocks=24, impl="reference")
+    plan = eng.begin_step({"a": 9})
+    before = [t.clone() for t in vars(eng.caches[1]).values() if isinstance(t, torch.Tensor)]
+    x = torch.randn(plan.num_tokens, 32)
+    st, sp = plan.state(layers[1].ratio)
+    with pytest.raises(TypeError, match="tables"):
+        layer_step(layers[1], x, plan.metadata, eng.builder, eng.caches[1], st, impl="reference",
+                   state_positions=sp, tables={"rotary": None})
+    after = [t for t in vars(eng.caches[1]).values() if isinstance(t, torch.Tensor)]
+    assert len(before) == len(after) > 0 and all(torch.equal(a, b) for a, b in zip(before, after))

@@ -1,10 +1,11 @@
 """Triton fused RMSNorm + interleaved RoPE over rows (the per-layer glue of the attention step).
 
 Grid ``(cdiv(N * G, BLOCK_R),)``: each program takes ``BLOCK_R`` rows ``(n, g)`` of
-``x [N, G, D]`` (a few KB, so that decode's thousands of 1 KB rows are not one small program
-each). It loads its rows once for the RMS statistics, writes the normed NoPE channels, then reloads the rope channels as
-even/odd halves (``nope + 2i``, ``nope + 2i + 1``), normalises and rounds them as the reference
-does, rotates them by cos/sin row ``n`` and writes them. Every rounding of the reference
+``x [N, G, D]`` (the op gives 8 where a token has 8+ heads, so that decode's thousands of 1 KB
+head rows are not one small program each). It loads its rows once for the RMS statistics,
+writes the normed NoPE channels, then reloads the rope channels as even/odd halves
+(``nope + 2i``, ``nope + 2i + 1``), normalises and rounds them as the reference does, rotates
+them by cos/sin row ``n`` and writes them. Every rounding of the reference
 (:mod:`dsv4attn.reference.norm_rope`) happens at the same place, with the integer bf16 rounding
 of ``kernels/common.py`` (identical under the interpreter), and the launcher turns off FMA
 contraction so the rotation's products round as PyTorch's separate kernels do. In place

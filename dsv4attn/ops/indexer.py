@@ -12,7 +12,7 @@ import torch
 import triton
 
 from dsv4attn._checks import check_tensor, same_device
-from dsv4attn.device import resolve_impl
+from dsv4attn.device import resolve_impl, sm_count
 from dsv4attn.kernels.indexer import _indexer_topk_kernel
 from dsv4attn.kv_cache.specs import INDEXER_SCALE_BYTES
 from dsv4attn.reference.indexer import indexer_topk_ref
@@ -153,8 +153,7 @@ def _num_splits(num_tokens: int, device: torch.device) -> int:
     lists."""
     if device.type != "cuda" or num_tokens == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(_MAX_SPLITS, 2 * sms // num_tokens))
+    return max(1, min(_MAX_SPLITS, 2 * sm_count(device) // num_tokens))
 
 
 def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths, topk, is_fp8, num_splits, *,
@@ -164,8 +163,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     on the H200), ``num_warps``, ``block_n`` (keys per dot) and ``few`` (sort only a chunk's keys
     above the running threshold when at most this many are: a power of two, 0 = off; default
     ``_FEW``, at most half the list) and ``asm`` (word-loaded fp8 keys decoded to bf16 pairs by
-    inline PTX; default on CUDA devices of compute capability 8.0 and up, the only ones it
-    compiles for) are there for tests and variant sweeps."""
+    inline PTX; default on CUDA devices, all of compute capability 8.0 and up where the Triton
+    path runs) are there for tests and variant sweeps."""
     T, H, D = q.shape
     device = q.device
     idx = torch.empty((T, topk), dtype=torch.int32, device=device)
@@ -182,7 +181,8 @@ def _indexer_topk_triton(q, weights, k_cache, block_table, token_to_req, lengths
     # fp8 keys as words where they can be: a dot over D / 4 dims per byte of a word needs D_P2 / 4 >= 16
     can_words = is_fp8 and D % 4 == 0 and d_p2 >= 64
     words = can_words if words is None else (words and can_words)
-    can_asm = bool(words) and dot_bf16 and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    # the PTX needs sm_80, which every GPU the Triton path runs on has (device.MIN_TRITON_CAPABILITY)
+    can_asm = bool(words) and dot_bf16 and device.type == "cuda"
     asm = can_asm if asm is None else (asm and can_asm)
     _indexer_topk_kernel[(T, num_splits)](
         q, weights, k_cache, block_table, token_to_req, lengths, scratch, counters, idx, val,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4attn.device import sm_count
 from dsv4attn.kv_cache.layout import FP8DSMLALayout
 from dsv4attn.ops.candidate_set import CandidateSet, layout_for
 
@@ -101,7 +102,7 @@ def kernel_config(
     if num_splits is None:
         num_splits = 1
         if device.type == "cuda" and not deterministic:
-            sms = _sm_count(device)
+            sms = sm_count(device)
             progs = max(1, num_tokens * math.ceil(num_heads / block_h))
             num_splits = pick_splits(progs, sms, max(1, math.ceil(max_candidates / block_n)), _MAX_SPLITS)
     return KernelConfig(block_h, block_n, min(int(num_splits), _MAX_SPLITS), num_warps, num_stages,
@@ -124,13 +125,6 @@ def sm90_kernel_available(device: torch.device) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pick_splits(programs: int, slots: int, chunks: int, max_splits: int = 16) -> int:

@@ -203,14 +203,10 @@ class StepTables:
 
 
 def _rotary(layer: DeepseekV4Attention, pos: torch.Tensor, ratio: int, impl: str,
-            tables: StepTables | None) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: StepTables) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer.rotary(pos, ratio)``, shared through ``tables`` by the layers of one rotary table."""
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.rotary(pos, ratio=ratio, impl=impl)
-    if tables is None:
-        return make()
     rot = layer.rotary
-    cos, sin = tables.get(("rotary", rot.rope, rot.rope_dim, ratio), make)
+    cos, sin = tables.get(("rotary", rot.rope, rot.rope_dim, ratio), lambda: rot(pos, ratio=ratio, impl=impl))
     return cos, sin
 
 
@@ -243,6 +239,10 @@ def layer_step(
     :class:`StepTables`, shared by its layers (None: this layer computes its own)."""
     batch = step.batch
     pos, t2r = batch.positions, step.token_to_req
+    if tables is None:
+        tables = StepTables()
+    elif not isinstance(tables, StepTables):  # before any cache is written
+        raise TypeError(f"tables must be a StepTables or None, got {type(tables).__name__}")
     cos, sin = _rotary(layer, pos, 1, impl, tables)
     proj = layer.project_inputs(hidden)  # one GEMM once the engine fused the input projections
     q, qr = layer.project_q(hidden, cos, sin, impl=impl, qa=proj[0])
@@ -261,8 +261,7 @@ def layer_step(
         cm = step.compressed[layer.ratio]
         erope = _rotary(layer, pos, layer.ratio, impl, tables)  # at each entry's first raw position
         spos = pos if state_positions is None else state_positions[: pos.shape[0]]
-        ppos = (completing_positions(spos, cm.slot_mapping) if tables is None else
-                tables.get(("pool", layer.ratio), lambda: (completing_positions(spos, cm.slot_mapping),))[0])
+        ppos = tables.get(("pool", layer.ratio), lambda: (completing_positions(spos, cm.slot_mapping),))[0]
         entries, slots = run_compressor(layer.compressor, hidden, spos, t2r, caches.state, state_table,
                                         cm.slot_mapping, ppos, erope, impl, proj=(proj[2], proj[3]))
         insert_kv(entries.contiguous(), slots, caches.compressed, kcd, layout=caches.layout, validate_slots=False,
