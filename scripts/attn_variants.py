@@ -31,6 +31,7 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
+    ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
     ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
@@ -79,7 +80,10 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
-                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True))):
+                                    ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
+                                    ("ws fp32-chain dq", dict(sm90_ws=True, sm90_dequant_bits=False))):
+                    if kind == "bf16" and label == "ws fp32-chain dq":
+                        continue
                     cfg = dataclasses.replace(base, **over)
                     try:
                         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
@@ -109,7 +113,9 @@ def decode_sweep() -> None:
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
         labels = [("default", {}), ("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
-                  ("loads ahead", dict(sm90_pipe_min_chunks=0))]
+                  ("loads ahead", dict(sm90_pipe_min_chunks=0)),
+                  ("fp32-chain dq", dict(sm90_dequant_bits=False)),
+                  ("fp32-chain dq, not ahead", dict(sm90_dequant_bits=False, sm90_pipe_min_chunks=10**9))]
         res: dict = {lab: [] for lab, _ in labels}
         for k in (64, 192, 448, 960, 1984):
             sets = []
@@ -124,7 +130,7 @@ def decode_sweep() -> None:
                 us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
                 chunks = k // 64 + 1
                 res[lab].append((chunks, us))
-                print(f"decode sweep h{h} B{b} chunks {chunks:2d} {lab:10s}: {us:8.1f} us", flush=True)
+                print(f"decode sweep h{h} B{b} chunks {chunks:2d} {lab:24s}: {us:8.1f} us", flush=True)
         waves = b * (h // 64) / sms
         for lab, pts in res.items():
             x = torch.tensor([c for c, _ in pts], dtype=torch.float64)
@@ -149,7 +155,7 @@ def main() -> None:
     else:
         variants = VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:2]
+        variants = VARIANTS[:3]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)

@@ -276,11 +276,13 @@ def test_sm90_producer_loads_ahead_only_for_long_splits(monkeypatch, device, for
 
 
 @needs_hopper
+@pytest.mark.parametrize("dq_bits", [True, False], ids=["bit-moves", "fp32-chain"])
 @pytest.mark.parametrize("min_chunks", [10**9, 0], ids=["plain-producer", "loads-ahead-producer"])
-def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks):
-    """The warp-specialised kernel's fp8 -> bf16 step, isolated, in both fp8 producers: the
-    plain one converts with Triton's casts, the one whose loads run ahead with inline PTX (one
-    candidate per token alone would pick the plain one). q = 0 and one candidate per token make
+def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dq_bits):
+    """The warp-specialised kernel's fp8 -> bf16 step, isolated, in both fp8 producers (the
+    plain one and the one whose loads run ahead; one candidate per token alone would pick the
+    plain one) and both decodes: integer moves and bf16x2 multiplies (the default), or the
+    e4m3 -> f32 chain (Triton's casts in the plain producer, inline PTX in the other). q = 0 and one candidate per token make
     every head's output the candidate's dequantised row (P = 1, O = 1 x V in fp32,
     1 / l = 1), so it must equal the reference decoder's bf16 row. The rows hold every finite
     e4m3 byte (0x7F / 0xFF, e4m3's NaN, excluded) under every scale byte 1..246 (2^-126 ..
@@ -315,7 +317,8 @@ def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks):
                         indices=order.to(torch.int32)[:, None].contiguous().to(device))
     q = torch.zeros(rows, 64, lay.head_dim, dtype=torch.bfloat16, device=device)
     base = kernel_config(rows, 64, lay.head_dim, 1, device, 1)
-    cfg = dataclasses.replace(base, sm90=True, sm90_ws=True, sm90_pipe_min_chunks=min_chunks)
+    cfg = dataclasses.replace(base, sm90=True, sm90_ws=True, sm90_pipe_min_chunks=min_chunks,
+                              sm90_dequant_bits=dq_bits)
     assert uses_sm90(cfg, [cset], lay)
     out = torch.empty_like(q)
     lse = torch.empty(rows, 64, dtype=torch.float32, device=device)

@@ -40,16 +40,21 @@ def _candidate_entry(t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_b
 def _candidate_place(x, j, start, block_size, capacity, IS_RANGE: tl.constexpr):
     """Block id (int64), offset in block (int64) and validity from :func:`_candidate_entry`'s
     ``x`` (a slot inside ``[0, capacity)`` is valid; -1 and holes are not). The block / offset
-    split is int32 arithmetic (slots < capacity < 2^31): no 64-bit division in the gather."""
+    split is one unsigned 32-bit division (slots < capacity < 2^31; the offset is what the
+    quotient leaves): no 64-bit or signed division in the gather."""
     if IS_RANGE:
-        off = (start + j) % block_size  # start + j >= 0 wherever x >= 0
+        e = tl.where(x >= 0, start + j, 0).to(tl.uint32)  # start + j >= 0 wherever x >= 0
+        bs = tl.cast(block_size, tl.uint32)  # tl.cast: block_size may be a 1 that Triton specialised
+        off = (e - (e // bs) * bs).to(tl.int32)
         valid = (x >= 0) & (x.to(tl.int64) * block_size + off < capacity)
         blk = x
     else:
         valid = (x >= 0) & (x < capacity)
-        xs = tl.where(valid, x, 0)
-        blk = xs // block_size
-        off = xs % block_size
+        xs = tl.where(valid, x, 0).to(tl.uint32)
+        bs = tl.cast(block_size, tl.uint32)  # tl.cast: block_size may be a 1 that Triton specialised
+        q = xs // bs
+        blk = q.to(tl.int32)
+        off = (xs - q * bs).to(tl.int32)
     blk = tl.where(valid, blk, 0)
     off = tl.where(valid, off, 0)
     return blk.to(tl.int64), off.to(tl.int64), valid

@@ -124,15 +124,40 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+#: PTX taking one word of four e4m3 bytes ($2) to two bf16x2 words ($0: bytes 0, 1; $1: bytes 2,
+#: 3; the first byte in the low half), each pair times its bf16x2 scale ($3, $4), by integer
+#: moves and two bf16x2 multiplies per pair (the conversion unit, which the e4m3 -> f16 -> f32 ->
+#: bf16 chain keeps busy, is not used). prmt puts byte j at bits 8-15 / 24-31 of its half; its
+#: sign is then a bf16 sign and its 7 other bits, shifted right by 4, the low 4 exponent and top
+#: 3 mantissa bits of a bf16 worth the e4m3 value times 2^-120 (subnormals included: bf16 keeps
+#: fp32's exponent range). The fma by 2^120 (0x7B80, adding -0.0 so that +-0 keep their sign) is
+#: exact, and so is the product by a power of two up to bf16's one rounding, as in the fp32
+#: chain: the result is the same bf16 for every finite byte. 0x7F / 0xFF (e4m3's NaN, never
+#: written by a quantiser) come out as +-480 x scale instead of NaN.
+_E4M3X4_BF16 = gl.constexpr(
+    "{ .reg .b32 n, c, z, y, s, u, v; mov.b32 n, 0; mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; "
+    "prmt.b32 y, $2, n, 0x1404; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; and.b32 y, y, 0x80008000; "
+    "or.b32 y, y, s; fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 u, y, $3, z; "
+    "prmt.b32 y, $2, n, 0x3424; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; and.b32 y, y, 0x80008000; "
+    "or.b32 y, y, s; fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 v, y, $4, z; "
+    "mov.b32 $0, u; mov.b32 $1, v; }")
+
+
 @gluon.jit
-def _store_half(raw, rope, sc, valid, k_half, valid_half):
+def _store_half(raw, rope, sc, valid, k_half, valid_half, DQ_BITS: gl.constexpr):
     """Dequantise a loaded half-chunk into ``k_half`` [32, 512] bf16 (shared, wgmma layout):
     value x 2^(byte-127) per (row, 64-dim tile), exact in bf16; invalid rows are zeros (their
-    scale word loads as 0). Tile 7 takes the RoPE values."""
+    scale word loads as 0). Tile 7 takes the RoPE values. ``DQ_BITS``: by the integer moves of
+    :data:`_E4M3X4_BF16` (four bytes per instance); else through Triton's e4m3 -> f32 casts."""
     tile = gl.arange(0, 8, layout=P_TILE)
     e = (gl.expand_dims(sc, 1) >> (gl.expand_dims(tile, 0) * 8).to(gl.int64)) & 255
-    scale = (e.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
-    f = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
+    if DQ_BITS:
+        scale_b = gl.broadcast(gl.expand_dims((e.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True), 2), raw)[0]
+        f = gl.inline_asm_elementwise(_E4M3X4_BF16, "=r,=r,r,r,r", [raw, scale_b], dtype=gl.bfloat16,
+                                      is_pure=True, pack=4)
+    else:
+        scale = (e.to(gl.uint32) << 23).to(gl.float32, bitcast=True)
+        f = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)).to(gl.bfloat16)
     t3 = gl.expand_dims(gl.expand_dims(tile, 0), 2)
     f = gl.where(t3 < 7, f, gl.expand_dims(rope, 1))
     k_half.store(gl.reshape(f, [HALF, HEAD_DIM]))
@@ -162,7 +187,8 @@ def _set_start(t, split, num_splits, block_size, idx_ptr, stride_idx, width, len
 def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                  cache_ptr, stride_blk, block_size, capacity,
                  idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
+                 IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
+                 DQ_BITS: gl.constexpr):
     """Fill K stages with this split's chunks of one candidate set, in order; ``it`` counts the
     chunks produced so far (stage ``it % 2``, phase ``it // 2``). Per chunk: all its page loads
     are issued (slot lookups read one chunk ahead) before waiting for the stage to be free, so
@@ -192,8 +218,8 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         k_buf = k_bufs.index(st)
         valid_buf = valid_bufs.index(st)
-        _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0))
-        _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0))
+        _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0), DQ_BITS)
+        _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
         _cta_barrier()  # the partition's stores are done before its one arrive
         mbarrier.arrive(full.index(st))
@@ -249,11 +275,16 @@ def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RAN
 
 
 @gluon.jit
-def _dequant_tile(r, sc, T: gl.constexpr):
+def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
     """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs: each word's four
-    e4m3 bytes -> f32 (exact), times the tile's 2^(byte-127), -> two bf16 pairs (exact), by
-    inline PTX."""
+    e4m3 bytes times the tile's 2^(byte-127), exactly, by inline PTX: ``DQ_BITS``, integer moves
+    and bf16x2 multiplies (:data:`_E4M3X4_BF16`); else e4m3 -> f16 -> f32, the product, -> bf16."""
     e = ((sc >> (8 * T)) & 255).to(gl.uint32)
+    if DQ_BITS:
+        w = gl.broadcast(gl.expand_dims(((e << 7) | (e << 23)).to(gl.int32, bitcast=True), 1), r)[0]
+        lo, hi = gl.inline_asm_elementwise(_E4M3X4_BF16, "=r,=r,r,r,r", [r, w, w], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
     scale = gl.expand_dims((e << 23).to(gl.float32, bitcast=True), 1)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b16 l, h, x0, x1, x2, x3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
@@ -274,17 +305,17 @@ def _cat4(a, b, c, d):
 
 
 @gluon.jit
-def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half):
+def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half, DQ_BITS: gl.constexpr):
     """:func:`_load_tiles`' half-chunk, dequantised, into ``k32`` [32, 256] int32 (rows of a K
     stage, bf16 pairs) in two stores of four tiles; tile 7 takes the RoPE words. (Triton fences
     each store into part of one buffer with a barrier of the partition: one store per tile,
     which keeps fewer registers live, measured 10% slower on the H200; one store for all eight
     spills.)"""
     s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
-    k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0), _dequant_tile(r1, s, 1),
-                                         _dequant_tile(r2, s, 2), _dequant_tile(r3, s, 3)))
-    k32.slice(128, 128, dim=1).store(_cat4(_dequant_tile(r4, s, 4), _dequant_tile(r5, s, 5),
-                                           _dequant_tile(r6, s, 6), rope))
+    k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0, DQ_BITS), _dequant_tile(r1, s, 1, DQ_BITS),
+                                         _dequant_tile(r2, s, 2, DQ_BITS), _dequant_tile(r3, s, 3, DQ_BITS)))
+    k32.slice(128, 128, dim=1).store(_cat4(_dequant_tile(r4, s, 4, DQ_BITS), _dequant_tile(r5, s, 5, DQ_BITS),
+                                           _dequant_tile(r6, s, 6, DQ_BITS), rope))
     valid_half.store(valid.to(gl.int8))
 
 
@@ -292,7 +323,8 @@ def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half):
 def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                      IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr):
+                      IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
+                      DQ_BITS: gl.constexpr):
     """:func:`_produce_set` with the loads one half-chunk ahead of the dequantisation: half 1's
     loads go out before half 0 is dequantised, and the next chunk's half 0 before half 1 (it is
     carried across the loop's back edge as 32-bit words), so each load has half a chunk's
@@ -317,7 +349,7 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         k_buf = _stage_words(k_bufs, st)
         valid_buf = valid_bufs.index(st)
         _store_tiles(a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0),
-                     valid_buf.slice(0, HALF, dim=0))
+                     valid_buf.slice(0, HALF, dim=0), DQ_BITS)
         # The next chunk's half 0 (masked off past this split's chunks), then its slot lookups.
         a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _load_tiles(cache_ptr, y0, _half_rows(h + 2, split, num_splits),
                                                                  start, block_size, capacity, stride_blk, IS_RANGE)
@@ -327,7 +359,7 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         y1 = _candidate_entry(t, _half_rows(h + 5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
-                     valid_buf.slice(HALF, HALF, dim=0))
+                     valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
         _cta_barrier()  # the partition's stores are done before its one arrive
         mbarrier.arrive(full.index(st))
@@ -390,7 +422,8 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr):
+              B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
+              DQ_BITS: gl.constexpr):
     if PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
@@ -405,23 +438,22 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
         it = _produce_set_pipe(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
                                a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                               A_RANGE, A_LEN, PREFETCH)
+                               A_RANGE, A_LEN, PREFETCH, DQ_BITS)
         if HAS_B:
             _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
                               b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                              B_RANGE, B_LEN, PREFETCH)
+                              B_RANGE, B_LEN, PREFETCH, DQ_BITS)
     else:
         it = _produce_set(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                           a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
                           a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, A_RANGE,
-                          A_LEN, PREFETCH)
+                          A_LEN, PREFETCH, DQ_BITS)
         if HAS_B:
             _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                          b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
                          b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, B_RANGE,
-                         B_LEN, PREFETCH)
-
+                         B_LEN, PREFETCH, DQ_BITS)
 
 HALF_V = gl.constexpr(256)
 S4_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
@@ -626,7 +658,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
-    PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False,
+    PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -677,5 +709,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

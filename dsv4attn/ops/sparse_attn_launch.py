@@ -76,6 +76,10 @@ class KernelConfig:
     #: costs ~0.5 us less, a CTA ~2.7 us more on the H200 (docs/benchmarks.md, Table 36: 2-3%
     #: faster at 10 chunks, 10% slower at 5). 0: always; a huge value: never.
     sm90_pipe_min_chunks: int = 8
+    #: On fp8 pages, the warp-specialised kernel's producer turns e4m3 bytes into bf16 by integer
+    #: moves and bf16x2 multiplies (inline PTX, exact) instead of the e4m3 -> f16 -> f32 -> bf16
+    #: conversions (tuning switch; measured in scripts/attn_variants.py).
+    sm90_dequant_bits: bool = True
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -360,7 +364,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
         if ws:
-            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=a.is_fp8 and _pipe_worth_it(sets, cfg))
+            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=a.is_fp8 and _pipe_worth_it(sets, cfg),
+                         DQ_BITS=cfg.sm90_dequant_bits)
         else:
             extra = dict(SKIP=cfg.sm90_skip)
         try:
