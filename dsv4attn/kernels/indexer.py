@@ -101,6 +101,13 @@ def _merge_stage(x, K: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _merge_chunk(best, cand, K: tl.constexpr, LOG_K: tl.constexpr):
+    """Merge a chunk's keys ``cand [K]`` (any order) into the descending best list ``best [K]``:
+    ``cand`` sorted ascending makes ``max(best, cand)`` bitonic, holding the K largest of both."""
+    return _merge_desc(tl.maximum(best, tl.sort(cand)), K, LOG_K)
+
+
+@triton.jit
 def _merge_chunk_few(best, cand, K: tl.constexpr, LOG_K: tl.constexpr, FEW: tl.constexpr):
     """Merge a chunk's keys ``cand [K]`` into the descending best list ``best [K]``, sorting only
     the keys above ``best``'s last when at most ``FEW`` are (then slot s takes the chunk's
@@ -110,8 +117,7 @@ def _merge_chunk_few(best, cand, K: tl.constexpr, LOG_K: tl.constexpr, FEW: tl.c
     above = cand > tl.min(best, axis=0)
     cnt = tl.sum(above.to(tl.int32), axis=0)
     if cnt > FEW:
-        cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
-        best = _merge_desc(tl.maximum(best, cand), K, LOG_K)
+        best = _merge_chunk(best, cand, K, LOG_K)
     elif cnt > 0:
         run = tl.cumsum(above.to(tl.int32), axis=0)  # [K], nondecreasing
         s = tl.arange(0, FEW)
@@ -385,8 +391,7 @@ def _indexer_topk_kernel(
             elif FEW > 0:
                 best = _merge_chunk_few(best, cand, K_P2, LOG_K, FEW)
             elif tl.max(cand, axis=0) > tl.min(best, axis=0):
-                cand = tl.sort(cand)  # ascending: max(best (desc), cand (asc)) is bitonic
-                best = _merge_desc(tl.maximum(best, cand), K_P2, LOG_K)
+                best = _merge_chunk(best, cand, K_P2, LOG_K)
         x, scale, valid, e = xn, scale_n, valid_n, e_n
     if SPLIT:
         tl.store(scratch + (K_P2 - 1) - tl.arange(0, K_P2), best)  # ascending
