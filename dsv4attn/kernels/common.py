@@ -10,12 +10,31 @@ integer encoders of the page formats.
 - :func:`round_to_bf16`, :func:`bf16_bits`, :func:`e4m3_encode`, :func:`pow2_exponent_for`,
   :func:`pow2`: float8 e4m3fn and bf16 encoded with integer operations on the fp32 bits (exact
   round-to-nearest-even, subnormals included), identical under the interpreter, on sm80 and sm90.
+- :func:`e4m3_bits_ptx` (plain Python): the PTX lines of the GPU-only e4m3 -> bf16 decode that the
+  indexer's and the sm90 attention kernel's inline assembly share.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+#: bf16x2 of 2^120 twice: the product that turns :func:`e4m3_bits_ptx`'s bf16 pair into the
+#: e4m3 values (exact; with ``BF16X2_NEG_ZERO`` as the fma's addend, +-0 keep their sign).
+BF16X2_2POW120 = "0x7B807B80"
+BF16X2_NEG_ZERO = "0x80008000"
+
+
+def e4m3_bits_ptx(a: str, b: str, sel: str) -> str:
+    """PTX lines leaving in ``y`` (``s`` is scratch; the caller declares both .b32) the bf16 pair
+    whose values are two e4m3 bytes times 2^-120: ``prmt`` with selector ``sel`` puts the bytes
+    (from words ``a`` / ``b``) in bits 8-15 and 24-31; a byte's sign is then the bf16 sign, and
+    its 7 other bits, shifted right by 4, the low 4 exponent and top 3 mantissa bits (bf16 keeps
+    fp32's exponent range, so e4m3 subnormals are exact too). An fma by :data:`BF16X2_2POW120`
+    finishes the decode, exactly; 0x7F / 0xFF (e4m3's NaN) decode to +-480. Integer moves only:
+    the conversion unit stays free (docs/benchmarks.md, Tables 44 and 47)."""
+    return (f"prmt.b32 y, {a}, {b}, {sel}; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; "
+            "and.b32 y, y, 0x80008000; or.b32 y, y, s; ")
 
 
 @triton.jit

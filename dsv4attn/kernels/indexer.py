@@ -54,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4attn.kernels.common import block_id
+from dsv4attn.kernels.common import BF16X2_2POW120, BF16X2_NEG_ZERO, block_id, e4m3_bits_ptx
 
 #: Sentinel key of a non-candidate (below every real key).
 INT64_MIN = tl.constexpr(-9223372036854775808)
@@ -223,16 +223,12 @@ def _load_qt(q_ptr, t64, stride_q_t, stride_q_h, num_heads, HEAD_DIM: tl.constex
 
 def _e4m3_pair_asm(sel: str) -> tl.constexpr:
     """PTX taking byte j of two words (prmt selector ``sel``) to the pair's e4m3 values as bf16x2
-    (first word in the low half), exactly, by integer moves and one bf16x2 multiply. prmt puts
-    byte j of each word in bits 8-15 / 24-31; its sign is then a bf16 sign, and its 7 other bits,
-    shifted right by 4, are the low 4 exponent bits and top 3 mantissa bits of a bf16 whose value
-    is the e4m3 value times 2^-120 (subnormals included: bf16 keeps fp32's exponent range); the
-    fma scales by 2^120 (0x7B80) exactly and adds -0.0, so +-0 keep their sign. 5 instructions
-    per pair where the fp32 decode, its multiply and the pack to bf16 take about 9."""
+    (first word in the low half), exactly: :func:`dsv4attn.kernels.common.e4m3_bits_ptx`, then
+    the fma by 2^120. 5 instructions per pair where the fp32 decode, its multiply and the pack to
+    bf16 take about 9."""
     return tl.constexpr(
-        "{ .reg .b32 y, s, c, z; prmt.b32 y, $1, $2, " + sel + "; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; "
-        "and.b32 y, y, 0x80008000; or.b32 y, y, s; mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; "
-        "fma.rn.bf16x2 $0, y, c, z; }")
+        "{ .reg .b32 y, s, c, z; " + e4m3_bits_ptx("$1", "$2", sel) + f"mov.b32 c, {BF16X2_2POW120}; "
+        f"mov.b32 z, {BF16X2_NEG_ZERO}; fma.rn.bf16x2 $0, y, c, z; }}")
 
 
 #: prmt selectors: byte j of the first word to byte 1, of the second to byte 3 (bytes 0 and 2 are

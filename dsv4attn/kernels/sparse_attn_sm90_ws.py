@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from dsv4attn.kernels.common import BF16X2_2POW120, BF16X2_NEG_ZERO, e4m3_bits_ptx
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
     BLOCK_H, BLOCK_N, HEAD_DIM, LN2, MMA_SMEM, NOPE, VEC_SMEM, _async_load, _cta_barrier, _extent,
@@ -125,21 +126,16 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
 
 
 #: PTX taking one word of four e4m3 bytes ($2) to two bf16x2 words ($0: bytes 0, 1; $1: bytes 2,
-#: 3; the first byte in the low half), each pair times its bf16x2 scale ($3, $4), by integer
-#: moves and two bf16x2 multiplies per pair (the conversion unit, which the e4m3 -> f16 -> f32 ->
-#: bf16 chain keeps busy, is not used). prmt puts byte j at bits 8-15 / 24-31 of its half; its
-#: sign is then a bf16 sign and its 7 other bits, shifted right by 4, the low 4 exponent and top
-#: 3 mantissa bits of a bf16 worth the e4m3 value times 2^-120 (subnormals included: bf16 keeps
-#: fp32's exponent range). The fma by 2^120 (0x7B80, adding -0.0 so that +-0 keep their sign) is
-#: exact, and so is the product by a power of two up to bf16's one rounding, as in the fp32
-#: chain: the result is the same bf16 for every finite byte. 0x7F / 0xFF (e4m3's NaN, never
-#: written by a quantiser) come out as +-480 x scale instead of NaN.
+#: 3; the first byte in the low half), each pair times its bf16x2 scale ($3, $4): the bit moves
+#: of :func:`dsv4attn.kernels.common.e4m3_bits_ptx` and two bf16x2 products per pair (by 2^120,
+#: then by the tile's power-of-two scale, with one rounding as in the fp32 chain: the same bf16
+#: for every finite byte). The conversion unit, which the e4m3 -> f16 -> f32 -> bf16 chain keeps
+#: busy, is not used. 0x7F / 0xFF (e4m3's NaN, never written by a quantiser) come out as +-480 x
+#: scale instead of NaN.
 _E4M3X4_BF16 = gl.constexpr(
-    "{ .reg .b32 n, c, z, y, s, u, v; mov.b32 n, 0; mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; "
-    "prmt.b32 y, $2, n, 0x1404; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; and.b32 y, y, 0x80008000; "
-    "or.b32 y, y, s; fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 u, y, $3, z; "
-    "prmt.b32 y, $2, n, 0x3424; shr.b32 s, y, 4; and.b32 s, s, 0x07F007F0; and.b32 y, y, 0x80008000; "
-    "or.b32 y, y, s; fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 v, y, $4, z; "
+    f"{{ .reg .b32 n, c, z, y, s, u, v; mov.b32 n, 0; mov.b32 c, {BF16X2_2POW120}; mov.b32 z, {BF16X2_NEG_ZERO}; "
+    + e4m3_bits_ptx("$2", "n", "0x1404") + "fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 u, y, $3, z; "
+    + e4m3_bits_ptx("$2", "n", "0x3424") + "fma.rn.bf16x2 y, y, c, z; fma.rn.bf16x2 v, y, $4, z; "
     "mov.b32 $0, u; mov.b32 $1, v; }")
 
 
