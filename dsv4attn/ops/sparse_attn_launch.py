@@ -129,8 +129,6 @@ def sm90_kernel_available(device: torch.device) -> bool:
     return True
 
 
-
-
 def pick_splits(programs: int, slots: int, chunks: int, max_splits: int = 16) -> int:
     """Split-KV factor in ``1..min(max_splits, chunks)`` with the least modelled time for
     ``programs`` (token, head-tile) programs of ``chunks`` candidate chunks each, on ``slots``
