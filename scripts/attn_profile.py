@@ -9,6 +9,7 @@ Same inputs as ``scripts/attn_variants.py`` (512 + 128 fp8 candidates per token,
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 
 import torch
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--skip", type=int, default=0, help="sm90 kernel parts to skip (KernelConfig.sm90_skip)")
+    ap.add_argument("--config", default="", help="KernelConfig fields to change, e.g. sm90_cluster=True")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -31,7 +33,8 @@ def main() -> None:
     sink = torch.randn(a.heads, device="cuda", generator=gen)
     out = torch.empty_like(q)
     lse = torch.empty(a.batch, a.heads, device="cuda")
-    cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, 640, q.device), sm90_skip=a.skip)
+    over = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in a.config.split(",") if kv)}
+    cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, 640, q.device), sm90_skip=a.skip, **over)
     for _ in range(a.launches):
         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
     torch.cuda.synchronize()

@@ -5,7 +5,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill] [--decode-sweep]   # repository root; graph replays
+    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill] [--decode-sweep] [--h128]   # repository root; graph replays
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
-    ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
+    ("ws, h128 cluster", dict(sm90_cluster=True)),
+    ("ws, h128 cluster, not ahead", dict(sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
     ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
+    ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
     ("portable 64/64/w8", dict(sm90=False)),
@@ -107,17 +109,22 @@ def decode_sweep() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     b = 1024
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for h in (64, 128):
+    import sys
+
+    h128_only = "--h128" in sys.argv
+    for h in (128,) if h128_only else (64, 128):
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {}), ("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
-                  ("loads ahead", dict(sm90_pipe_min_chunks=0)),
-                  ("fp32-chain dq", dict(sm90_dequant_bits=False)),
-                  ("fp32-chain dq, not ahead", dict(sm90_dequant_bits=False, sm90_pipe_min_chunks=10**9))]
+        labels = [("default", {})]
+        if not h128_only:
+            labels += [("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
+                       ("loads ahead", dict(sm90_pipe_min_chunks=0))]
+        if h == 128:
+            labels += [("cluster", dict(sm90_cluster=True))]
         res: dict = {lab: [] for lab, _ in labels}
-        for k in (64, 192, 448, 960, 1984):
+        for k in ((448, 960, 1984) if h128_only else (64, 192, 448, 960, 1984)):
             sets = []
             for n in (k, 64):
                 cache = fp8_cache(b * n, "cuda", gen)
@@ -155,9 +162,11 @@ def main() -> None:
     else:
         variants = VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:3]
+        variants = VARIANTS[:4]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
+        if "--h128" in sys.argv and h != 128:
+            continue
         q = (torch.randn(b, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(b, gen)
         sink = torch.randn(h, device="cuda", generator=gen)

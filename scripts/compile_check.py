@@ -91,7 +91,8 @@ def compile_all(path: str, targets: list[int]) -> int:
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
-    output, and on fp8 pages both producers)."""
+    output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster;
+    the cluster's K-stage offset is checked against what its inline PTX assumes)."""
     import inspect
     import itertools
 
@@ -107,14 +108,15 @@ def compile_sm90() -> int:
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         pipes = (False, True) if "PIPE" in names else (False,)
-        for bf16, a_range, b_range, partial, pipe in itertools.product(page_kinds, (False, True), (False, True),
-                                                                       (False, True), pipes):
-            if pipe and bf16:  # the fp8 producer's variant only
+        clusters = (False, True) if "CLUSTER" in names else (False,)
+        for bf16, a_range, b_range, partial, pipe, cluster in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters):
+            if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
-            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe))
-                          if k in names})
+            const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
+                                            ("CLUSTER", cluster)) if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default
                 if names[i] not in const and default is not inspect.Parameter.empty:
@@ -143,7 +145,13 @@ def compile_sm90() -> int:
                                  {(i,): [["tt.divisibility", 16]] for i in div})
             n += 1
             try:
-                triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+                ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+                if cluster:  # where the launcher will find the K stages (its inline PTX assumes K_OFF there)
+                    from dsv4attn.ops.sparse_attn_launch import _k_stage_offset
+
+                    off = _k_stage_offset(ck.asm["ttgir"])
+                    if off != const["K_OFF"]:
+                        raise RuntimeError(f"K stages at offset {off}, not {const['K_OFF']}: the launcher recompiles")
             except Exception as e:  # noqa: BLE001 - report every failure
                 failures += 1
                 print(f"FAIL {kernel.__name__} {const}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")

@@ -9,7 +9,7 @@
 #   background (MAX_JOBS=16) while the steps that need no FlashMLA run, and the built package
 #   is split into $OUT/flash_mla.tgz.part* for later calls; a later call on the same (still warm)
 #   machine waits for that build instead of starting another.
-# Steps: tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
+# Steps: pytest (PYTEST_ARGS) | tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
@@ -55,7 +55,10 @@ for step in "$@"; do
            DSV4ATTN_TEST_KERNEL_CONFIG="$KCFG" timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q $xd -p no:cacheprovider \
              tests/test_sparse_attn*.py tests/test_flashmla_compat.py 2>&1 | tail -n 40 > "$OUT/tests2.txt"
            echo "with $KCFG:"; tail -n 3 "$OUT/tests2.txt" ;;
-    quick) timeout 150 python3 -m scripts.attn_variants --quick > "$OUT/quick.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/quick.txt" | head -40 ;;
+    pytest) # PYTEST_ARGS: what to run first (e.g. a new kernel's tests, under its own timeout)
+           timeout "${PYTEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS 2>&1 | tail -n 30 \
+             > "$OUT/pytest.txt"; tail -n 3 "$OUT/pytest.txt" ;;
+    quick) timeout "${QUICK_TIMEOUT:-150}" python3 -m scripts.attn_variants --quick > "$OUT/quick.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/quick.txt" | head -40 ;;
     prefill) timeout 200 python3 -m scripts.attn_variants --prefill > "$OUT/prefill.txt" 2>&1; cat "$OUT/prefill.txt" ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;

@@ -91,6 +91,48 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
     torch.testing.assert_close(lse, p_lse, atol=1e-4, rtol=1e-5)
 
 
+# Cases with two 64-head tiles on fp8 pages: what the two-CTA cluster variant serves.
+CLUSTER_CASES = [c for c in CASES if 64 < c[1] <= 128 and c[3][0].fp8] + [
+    ("h128-idx+range-split3", 128, 5, [SetSpec("indices", True, 64, 900, hole_frac=0.3),
+                                       SetSpec("range", True, 64, 129)], 3, "finite", 2),
+    ("h72-idx+idx", 72, 3, [SetSpec("indices", True, 16, 200), SetSpec("indices", True, 64, 64, hole_frac=1.0)], 1,
+     "none", 3),
+    ("h128-range-split2", 128, 4, [SetSpec("range", True, 32, 333, hole_frac=0.5)], 2, "inf", 4),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("min_chunks", [10**9, 0], ids=["plain-producer", "loads-ahead-producer"])
+@pytest.mark.parametrize("case", CLUSTER_CASES, ids=[c[0] for c in CLUSTER_CASES])
+def test_sm90_cluster_is_bit_identical_to_two_ctas(case, min_chunks):
+    """The two-CTA cluster variant (each CTA gathers and dequantises half of every chunk into
+    both CTAs' K stages) computes exactly what two independent CTAs compute: the same bf16 K
+    tiles, the same MMAs in the same order. So out and lse are bit-identical, and both match the
+    fp64 oracle (holes, a set of holes only, empty rows, splits, sinks, NaN-poisoned pages)."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(case, device)
+    num_tokens, num_heads, d = q.shape
+    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
+    sets = [b.cset for b in built]
+    qd = q.to(device)
+    sk = None if sink is None else sink.to(device)
+    res = {}
+    for cluster in (False, True):
+        cfg = dataclasses.replace(base, sm90_cluster=cluster, sm90_pipe_min_chunks=min_chunks)
+        out = torch.empty_like(qd)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+        ready = len(sl._cluster_ready)
+        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=cfg)
+        assert not sl._cluster_failures
+        assert (len(sl._cluster_ready) >= max(ready, 1)) if cluster else len(sl._cluster_ready) == ready
+        res[cluster] = (out, lse)
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+    ref = oracle(q, built, 0.09, sink)
+    assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+
+
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")
@@ -239,11 +281,69 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     grid, nargs, kw, real = seen[0]
     assert real is kernels[variant]
     # The positional arguments are exactly the real kernel's runtime parameters, the keywords its
-    # constexprs (plus the launch options).
-    constexprs = [n for n in real.arg_names if n.isupper()]
-    assert grid == (3, 1) and nargs == len(real.arg_names) - len(constexprs)
+    # constexprs (plus the launch options; CLUSTER and K_OFF only in cluster launches).
+    constexprs = [n for n in real.arg_names if n.isupper() and n not in ("CLUSTER", "K_OFF")]
+    assert grid == (3, 1) and nargs == len([n for n in real.arg_names if not n.isupper()])
     assert set(kw) == set(constexprs) | {"num_warps", "num_stages"}
     assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
+
+
+@pytest.mark.parametrize("heads, fp8, cluster, want", [
+    (128, True, True, True), (65, True, True, True), (128, True, False, False), (64, True, True, False),
+    (129, True, True, False), (128, False, True, False),
+])
+def test_sm90_cluster_dispatch(monkeypatch, device, heads, fp8, cluster, want):
+    """Dispatch: the two-CTA cluster launch is tried only for fp8 pages, two 64-head tiles and
+    ``KernelConfig.sm90_cluster``, with one cluster per (token, split); when it declines (it
+    could not be built), the same kernel runs as two CTAs per token."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    seen, tried = [], []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, kwargs))
+
+    def fake_cluster(kernel, warps, grid, args, consts):
+        tried.append((grid, consts))
+        return len(tried) == 1  # the first launch takes the cluster, the second declines
+
+    gen = torch.Generator().manual_seed(7)
+    built = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device)]
+    q = torch.randn(2, heads, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    monkeypatch.setattr(sl, "_cluster_failures", [])
+    monkeypatch.setattr(sl, "_launch_cluster", fake_cluster)
+    cfg = KernelConfig(64, 64, 2, 8, 1, sm90=True, sm90_cluster=cluster)
+    for _ in range(2):
+        launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, heads, device=device), None, 2,
+               config=cfg)
+    tiles = -(-heads // 64)
+    if want:
+        assert [g for g, _ in tried] == [(2, 2), (2, 2)]
+        assert [g for g, _ in seen] == [(2 * tiles, 2)]  # the declined launch
+        # The cluster gets the constexprs of the launch it replaces (CLUSTER and K_OFF are its own).
+        assert tried[0][1] == {k: v for k, v in seen[0][1].items() if k not in ("num_warps", "num_stages")}
+    else:
+        assert tried == [] and [g for g, _ in seen] == [(2 * tiles, 2)] * 2
+
+
+def test_cluster_launch_values_follow_the_kernel_signature():
+    """The cluster launch hands Triton's launcher every parameter in signature order: the
+    runtime arguments, then each constexpr from the call or its default."""
+    from dsv4attn.kernels.sparse_attn_sm90_ws import _sparse_mla_attn_sm90_ws_kernel as k
+    from dsv4attn.ops.sparse_attn_launch import _bound_values
+
+    names = list(k.arg_names)
+    first = names.index("A_RANGE")
+    args = tuple(range(first))
+    vals = _bound_values(k, args, {n: f"set-{n}" for n in names[first:] if n not in ("K_OFF", "PIPE")})
+    assert len(vals) == len(names) and tuple(vals[:first]) == args
+    assert all(n.isupper() for n in names[first:])
+    assert vals[names.index("K_OFF")] == 0 and vals[names.index("PIPE")] is False  # defaults
+    assert vals[names.index("CLUSTER")] == "set-CLUSTER"
 
 
 @pytest.mark.parametrize("form, width, splits, min_chunks, ahead", [

@@ -362,6 +362,199 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         it += 1
     return it
 
+
+# h128 decode in clusters of two CTAs (``CLUSTER``, off by default: slower on the H100, see
+# docs/benchmarks.md, Table 52): the two 64-head tiles of a token run in one cluster; each CTA's
+# producer gathers and dequantises half of every chunk (rows 32 * rank ..) and writes each 16 bytes
+# into its own K stage and, with ``st.async``, into the peer's, completing on the peer's ``rfull``
+# barrier; a stage is free once the consumer warpgroups of both CTAs released it (``xempty``: each
+# consumer warpgroup arrives on its own CTA's and on the peer's). Triton 3.6's Gluon has no cluster stores,
+# barriers or shared-memory addresses, so these are inline PTX: the four cluster barriers live
+# in 32 bytes that the launcher appends to the dynamic shared memory (``global_smem +
+# %dynamic_smem_size - 32``: rfull[0], rfull[1], xempty[0], xempty[1]), and the K stages' offset
+# in ``global_smem`` (``K_OFF``) is read by the launcher from the compiled kernel.
+_CL_BASE = ("mov.u32 b, global_smem; mov.u32 d, %dynamic_smem_size; add.u32 b, b, d; sub.u32 b, b, 32; ")
+#: One thread of the partition: predicate p from operand $1, the thread's element of
+#: :func:`_cl_one` (reading %tid.x in inline PTX made ptxas spill warpgroup 0's loop, Triton 3.6).
+_CL_ONE = "setp.eq.u32 p, $1, 0; "
+#: Initialise the four cluster barriers (thread 0 of the CTA) and make them visible cluster-wide.
+_CL_INIT = gl.constexpr(
+    "{ .reg .u32 b, d; .reg .pred p; " + _CL_ONE + _CL_BASE
+    + "@p mbarrier.init.shared::cta.b64 [b], 1; @p mbarrier.init.shared::cta.b64 [b+8], 1; "
+    "@p mbarrier.init.shared::cta.b64 [b+16], 4; @p mbarrier.init.shared::cta.b64 [b+24], 4; "
+    "fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }")
+#: Every thread of the cluster: arrive (relaxed: the barriers' init is released by its own fence) and wait;
+#: or the two halves apart, so that a partition done with its remote operations does not wait for the
+#: peer until it exits.
+_CL_SYNC = gl.constexpr("barrier.cluster.arrive.relaxed.aligned; barrier.cluster.wait.aligned; mov.u32 $0, $1;")
+_CL_ARRIVE = gl.constexpr("barrier.cluster.arrive.aligned; mov.u32 $0, $1;")
+_CL_WAIT_ALL = gl.constexpr("barrier.cluster.wait.aligned; mov.u32 $0, $1;")
+#: Wait for phase parity $2 of the cluster barrier at byte $1 of the area (every thread).
+_CL_WAIT = gl.constexpr(
+    "{ .reg .u32 b, d, a; .reg .pred p; " + _CL_BASE + "add.u32 a, b, $1; "
+    "LAB_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [a], $2; @!p bra LAB_WAIT; "
+    "mov.u32 $0, 0; }")
+#: One thread of a consumer warpgroup arrives on xempty barrier $2 of this CTA and of CTA rank $3: the
+#: warpgroup is done with the stage.
+_CL_RELEASE = gl.constexpr(
+    "{ .reg .u32 b, d, a, r; .reg .pred p; " + _CL_ONE + _CL_BASE + "add.u32 a, b, $2; "
+    "mapa.shared::cluster.u32 r, a, $3; "
+    "@p mbarrier.arrive.shared::cta.b64 _, [a]; "
+    "@p mbarrier.arrive.shared::cluster.b64 _, [r]; mov.u32 $0, 0; }")
+#: One thread of the producer arrives on rfull barrier $2, expecting the peer's 32 KiB.
+_CL_EXPECT = gl.constexpr(
+    "{ .reg .u32 b, d, a; .reg .pred p; " + _CL_ONE + _CL_BASE + "add.u32 a, b, $2; "
+    "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [a], 32768; mov.u32 $0, 0; }")
+#: $0: the peer's (rank $1) cluster address of global_smem minus this CTA's shared address of it.
+_CL_DELTA = gl.constexpr("{ .reg .u32 g, r; mov.u32 g, global_smem; mapa.shared::cluster.u32 r, g, $1; "
+                         "sub.u32 $0, r, g; }")
+#: The peer's (rank $1) cluster address of its rfull barriers.
+_CL_PEER_BAR = gl.constexpr("{ .reg .u32 b, d; " + _CL_BASE + "mapa.shared::cluster.u32 $0, b, $1; }")
+#: This CTA's shared address of global_smem + $2.
+_CL_SMEM = gl.constexpr("{ .reg .u32 g; mov.u32 g, global_smem; add.u32 $0, g, $2; }")
+#: Four words ($4-$7) to shared address $8 + $12 of this CTA and, by st.async, to the same place
+#: in the peer's (+ $16), completing 16 bytes on the peer's barrier $20 (pack of 4 words).
+_CL_ST2 = gl.constexpr(
+    "{ .reg .u32 a, r; add.u32 a, $8, $12; st.shared.v4.b32 [a], {$4, $5, $6, $7}; add.u32 r, a, $16; "
+    "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [r], {$4, $5, $6, $7}, [$20]; "
+    "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+_CL_ST2_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
+
+
+@gluon.jit
+def _cl_op(asm: gl.constexpr, a, b):
+    """A cluster PTX helper on scalars (every thread of the partition runs it)."""
+    return gl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=gl.int32, is_pure=False, pack=1)
+
+
+#: One element per thread of a 4-warp partition; element 0 is the partition's thread 0.
+LANES_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _cl_one(asm: gl.constexpr, a, b):
+    """A cluster PTX helper that one thread of the 4-warp partition runs (operands $2, $3)."""
+    lanes = gl.arange(0, 128, layout=LANES_L)
+    gl.inline_asm_elementwise(asm, "=r,r,r,r", [lanes, a, b], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _cl_sync(x, asm: gl.constexpr = _CL_SYNC):
+    """Cluster barrier (all threads of both CTAs), or one of its halves (``asm``)."""
+    gl.inline_asm_elementwise(asm, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _cl_wait(off, parity):
+    gl.inline_asm_elementwise(_CL_WAIT, "=r,r,r", [off, parity], dtype=gl.int32, is_pure=False, pack=1)
+
+
+
+
+@gluon.jit
+def _cl_tile_addr(rank, K_OFF: gl.constexpr):
+    """[32, 32] shared addresses (WTO_L) of this CTA's half-chunk rows (32 * rank + r) in K stage 0,
+    64-dim tile 0, word w: the stage's 128-byte swizzle (64-column blocks of 64 rows x 128 bytes,
+    16-byte chunk c of row R at c ^ (R % 8)); only each thread's words 0 and 4 are used."""
+    r = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, WTO_L)), 1)
+    w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0)
+    base = _cl_op(_CL_SMEM, rank, rank * 0 + K_OFF)
+    return base + rank * (HALF * 128) + r * 128 + (((w >> 2) ^ (r & 7)) << 4) + (w & 3) * 4
+
+
+@gluon.jit
+def _cl_st(words, addr, off, delta, bar):
+    """Tile words [32, 32] (WTO_L) into both CTAs' K stage: ``addr + off`` here and in the peer."""
+    o = gl.full([HALF, 32], 0, gl.int32, WTO_L) + off
+    gl.inline_asm_elementwise(_CL_ST2, _CL_ST2_C, [words, addr, o, gl.full([HALF, 32], 0, gl.int32, WTO_L) + delta,
+                                                   gl.full([HALF, 32], 0, gl.int32, WTO_L) + bar],
+                              dtype=gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _store_tiles_cl(r0, r1, r2, r3, r4, r5, r6, rope, sc, addr, st, delta, bar, DQ_BITS: gl.constexpr):
+    """:func:`_store_tiles` for the cluster: each tile's 32 rows x 128 bytes into K stage ``st``
+    of this CTA and the peer's (8 KiB per tile, 64 KiB per stage)."""
+    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
+    so = st * (BLOCK_N * HEAD_DIM * 2)
+    _cl_st(_dequant_tile(r0, s, 0, DQ_BITS), addr, so, delta, bar)
+    _cl_st(_dequant_tile(r1, s, 1, DQ_BITS), addr, so + 8192, delta, bar)
+    _cl_st(_dequant_tile(r2, s, 2, DQ_BITS), addr, so + 2 * 8192, delta, bar)
+    _cl_st(_dequant_tile(r3, s, 3, DQ_BITS), addr, so + 3 * 8192, delta, bar)
+    _cl_st(_dequant_tile(r4, s, 4, DQ_BITS), addr, so + 4 * 8192, delta, bar)
+    _cl_st(_dequant_tile(r5, s, 5, DQ_BITS), addr, so + 5 * 8192, delta, bar)
+    _cl_st(_dequant_tile(r6, s, 6, DQ_BITS), addr, so + 6 * 8192, delta, bar)
+    _cl_st(rope, addr, so + 7 * 8192, delta, bar)
+
+
+@gluon.jit
+def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, split, num_splits,
+                         cache_ptr, stride_blk, block_size, capacity,
+                         idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
+                         start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
+                         DQ_BITS: gl.constexpr, AHEAD: gl.constexpr):
+    """:func:`_produce_set` for a cluster of two: this CTA gathers rows ``32 * rank ..`` of each
+    chunk (half-chunk ``2 i + rank``) and writes them into both CTAs' stage; the chunk's validity
+    (all 64 rows) is looked up here for this CTA's consumers. Per chunk: the half's loads are
+    issued (with ``AHEAD``, the next chunk's, this chunk's being carried in registers; slot lookups
+    one chunk further; the lines after that asked of L2), then the producer waits until the four
+    consumer warpgroups of both CTAs freed the stage, arms its rfull barrier for the peer's 32 KiB,
+    stores, and arrives on its full barrier."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = _n_mine(length, split, num_splits)
+    x = _candidate_entry(t, _half_rows(rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    y = _candidate_entry(t, _half_rows(2 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                         stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    xv = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    if AHEAD:  # this chunk's loads carried in registers from the previous iteration
+        a0, a1, a2, a3, a4, a5, a6, rope, sc, _v = _load_tiles(cache_ptr, x, _half_rows(rank, split, num_splits),
+                                                              start, block_size, capacity, stride_blk, IS_RANGE)
+        x = y
+        y = _candidate_entry(t, _half_rows(4 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                             stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    for i in range(n_mine):
+        if AHEAD:
+            b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b, _v = _load_tiles(
+                cache_ptr, x, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size, capacity,
+                stride_blk, IS_RANGE)
+            if PREFETCH:  # the lines of the chunk after
+                _prefetch_half(cache_ptr, y, _half_rows(2 * i + 4 + rank, split, num_splits), start, block_size,
+                               capacity, stride_blk, IS_RANGE)
+            x = y
+            y = _candidate_entry(t, _half_rows(2 * i + 6 + rank, split, num_splits), idx_ptr, stride_idx, length,
+                                 bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, rope, sc, _v = _load_tiles(cache_ptr, x, _half_rows(2 * i + rank, split,
+                                                                                           num_splits),
+                                                                  start, block_size, capacity, stride_blk, IS_RANGE)
+            if PREFETCH:  # the next chunk's lines
+                _prefetch_half(cache_ptr, y, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size,
+                               capacity, stride_blk, IS_RANGE)
+            x = y
+            y = _candidate_entry(t, _half_rows(2 * i + 4 + rank, split, num_splits), idx_ptr, stride_idx, length,
+                                 bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        _b, _o, valid = _candidate_place(xv, _chunk_rows(i, split, num_splits), start, block_size, capacity,
+                                         IS_RANGE)
+        xv = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        st = it % 2
+        if it >= 2:  # both CTAs' consumers are done with the stage's previous chunk
+            _cl_wait(16 + 8 * st, (it // 2 - 1) & 1)
+        _cl_one(_CL_EXPECT, 8 * st, st)
+        _store_tiles_cl(a0, a1, a2, a3, a4, a5, a6, rope, sc, addr, st, delta, peer_bar + 8 * st, DQ_BITS)
+        valid_bufs.index(st).store(valid.to(gl.int8))
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
+        if AHEAD:
+            a0, a1, a2, a3, a4, a5, a6, rope, sc = b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b
+    return it
+
+
 # bf16 pages: [64 rows, 512] bf16 copied with cp.async, 16 bytes per thread per row, 8 rows per
 # pass of the 4 producer warps.
 KB4_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -410,7 +603,7 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 
 
 @gluon.jit
-def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
+def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
               a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
               a_start_ptr,
@@ -419,8 +612,25 @@ def _producer(k_bufs, valid_bufs, empty, full, t, split, num_splits,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
-              DQ_BITS: gl.constexpr):
-    if PAGES_BF16:
+              DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr):
+    if CLUSTER:
+        peer = 1 - pid_h
+        addr = _cl_tile_addr(pid_h, K_OFF)
+        delta = _cl_op(_CL_DELTA, peer, peer)
+        peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
+        _cl_sync(pid_h)  # the peer's barriers are initialised before the first remote store
+        it = _produce_set_cluster(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                  a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+                                  a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
+                                  a_start_ptr, A_RANGE, A_LEN, PREFETCH, DQ_BITS, PIPE)
+        if HAS_B:
+            _produce_set_cluster(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                 b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                                 b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
+                                 b_start_ptr, B_RANGE, B_LEN, PREFETCH, DQ_BITS, PIPE)
+        _cl_sync(pid_h, _CL_ARRIVE)  # its last remote store is issued (release: it is done before the peer
+        _cl_sync(pid_h, _CL_WAIT_ALL)  # leaves the barrier); neither CTA exits before the other is done
+    elif PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
                                a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -516,7 +726,8 @@ def _n_total(t, split, num_splits,
 
 
 @gluon.jit
-def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale):
+def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
+              peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
@@ -525,8 +736,14 @@ def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
+        if CLUSTER:  # the peer's half of the chunk
+            _cl_wait(8 * st, (i // 2) & 1)
         k_cur = k_bufs.index(st)
-        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+        if CLUSTER:  # q through an index ptxas cannot prove 0: keeps its wgmma descriptors in the loop
+            q_cur = q_all.index(i >> 30)  # (Triton 3.6 hoisted and spilled them here)
+        else:
+            q_cur = q_all.index(0)
+        s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
                           use_acc=False)
         ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
         s = gl.where(ok, s * qk_scale, float("-inf"))
@@ -548,21 +765,28 @@ def _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
         mbarrier.arrive(p_ready.index(st))
         o, pa = warpgroup_mma_wait(0, deps=[o_acc, pa])
         _cta_barrier()
-        mbarrier.arrive(empty.index(st))
+        if CLUSTER:
+            _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
+        else:
+            mbarrier.arrive(empty.index(st))
     return o, m_i, l_i
 
 
 @gluon.jit
-def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
+def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
          empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
          out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
          sink_ptr, split_base, total_splits,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
+         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
+         CLUSTER: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
+    q_smem = q_all.index(0)
+    if CLUSTER:  # first: the peer's producer waits for it before its first remote store
+        _cl_sync(pid_h)
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -577,8 +801,10 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
-    o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-                            qk_scale)
+    o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
+                            qk_scale, 1 - pid_h, CLUSTER)
+    if CLUSTER:  # its last remote arrive is issued
+        _cl_sync(pid_h, _CL_ARRIVE)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
     m_o = gl.convert_layout(m_i, ROW_O)
     l_o = gl.convert_layout(l_i, ROW_O)
@@ -606,6 +832,8 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p
     mbarrier.arrive(fin.index(0))
     _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
                   stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    if CLUSTER:  # neither CTA exits while the other may still reach into it
+        _cl_sync(pid_h, _CL_WAIT_ALL)
     return (m_i,)
 
 
@@ -615,27 +843,38 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
     P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+    if CLUSTER:
+        _cl_sync(pid_h)
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
+        if CLUSTER:
+            _cl_wait(8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
         _cta_barrier()
         mbarrier.arrive(p_free.index(st))
-        mbarrier.arrive(empty.index(st))
+        if CLUSTER:
+            _cl_one(_CL_RELEASE, 16 + 8 * st, 1 - pid_h)
+        else:
+            mbarrier.arrive(empty.index(st))
+    if CLUSTER:  # its last remote arrive is issued
+        _cl_sync(pid_h, _CL_ARRIVE)
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O)
     _store_half_o(o, f, q_smem.slice(HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    if CLUSTER:  # neither CTA exits while the other may still reach into it
+        _cl_sync(pid_h, _CL_WAIT_ALL)
 
 
 @gluon.jit
@@ -655,6 +894,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
+    CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -666,7 +906,8 @@ def _sparse_mla_attn_sm90_ws_kernel(
     split = gl.program_id(1)
     t64 = t.to(gl.int64)
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HEAD_DIM], MMA_SMEM)
+    q_all = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, HEAD_DIM], MMA_SMEM)
+    q_smem = q_all.index(0)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, HEAD_DIM], MMA_SMEM)
     p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], MMA_SMEM)
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
@@ -683,27 +924,29 @@ def _sparse_mla_attn_sm90_ws_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(fin.index(0), count=1)
+    if CLUSTER:
+        _cl_one(_CL_INIT, t, t)
     fence_async_shared()
 
     gl.warp_specialize([
-        (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_smem, k_bufs, p_bufs, a_bufs, f_smem,
+        (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
                 valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
                 out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
                 part_lse_ptr, sink_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER)),
         (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                 num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
-        (_producer, (k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
+        (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                      a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
                      a_req_ptr, a_start_ptr,
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

@@ -80,6 +80,11 @@ class KernelConfig:
     #: moves and bf16x2 multiplies (inline PTX, exact) instead of the e4m3 -> f16 -> f32 -> bf16
     #: conversions (tuning switch; measured in scripts/attn_variants.py).
     sm90_dequant_bits: bool = True
+    #: On fp8 pages with 65-128 heads (two 64-head tiles), run a token's two tiles as one cluster
+    #: of two CTAs in the warp-specialised kernel: each CTA's producer gathers and dequantises
+    #: half of every chunk and writes it into both CTAs' K stages (``st.async``), so each row is
+    #: read and dequantised once per token instead of twice (docs/design.md, "Attention kernel").
+    sm90_cluster: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -366,15 +371,16 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                          DQ_BITS=cfg.sm90_dequant_bits)
         else:
             extra = dict(SKIP=cfg.sm90_skip)
+        consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
+                      WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
+                      A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
+                      PAGES_BF16=not a.is_fp8, **extra)
         try:
-            kernel[grid](
-                *args,
-                A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
-                WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
-                A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
-                PAGES_BF16=not a.is_fp8,
-                num_warps=warps, num_stages=1, **extra,
-            )
+            if (ws and a.is_fp8 and cfg.sm90_cluster and _cdiv(num_heads, cfg.block_h) == 2
+                    and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
+                                                                  consts)):
+                return
+            kernel[grid](*args, **consts, num_warps=warps, num_stages=1)
             return
         except Exception as e:  # noqa: BLE001 - only compile / launch failures fall back
             if not _is_build_failure(e):
@@ -392,6 +398,103 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
 #: Gluon API differs from the ones it was written for, 3.6 and 3.9): once one happened, every
 #: launch takes the portable kernel (same contract and outputs), after one RuntimeWarning.
 _sm90_failures: list[str] = []
+
+
+#: Failures to build or launch the two-CTA cluster variant in this process: once one happened,
+#: h128 runs two independent CTAs per token (the same kernel without the cluster).
+_cluster_failures: list[str] = []
+#: Byte offset of the K stages in the cluster kernel's shared memory, as the compiler placed them
+#: (checked on every newly compiled specialisation; 0 with Triton 3.6 and 3.9).
+_cluster_k_off = [0]
+#: id of each compiled cluster kernel -> that kernel, once its launch metadata is set.
+_cluster_ready: dict[int, object] = {}
+
+
+def _launch_cluster(kernel, warps: int, grid: tuple, args: tuple, consts: dict) -> bool:
+    """Launch the warp-specialised kernel with ``CLUSTER`` on ``grid`` = (tokens, splits)
+    clusters of two CTAs. Triton 3.6's Gluon compiles one-CTA programs, so the kernel is
+    compiled as one (``warmup``, which also finds the specialisation this call needs) and its
+    launch metadata then asks for clusters of two (the launcher launches ``grid[0] * 2`` CTAs, in
+    pairs, with the usual program ids) and 32 more bytes of dynamic shared memory for the
+    cluster barriers. The K stages' offset, which the kernel's inline PTX needs, is read from the
+    compiled kernel (the shared-memory allocation pass run on its TTGIR); the kernel is
+    recompiled if it differs. Returns False (after one warning) where this cannot be done."""
+    try:
+        ck = _cluster_kernel(kernel, warps, grid, args, consts)
+    except Exception as e:  # noqa: BLE001 - any failure here falls back to one CTA per tile
+        _cluster_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
+        warnings.warn(f"dsv4attn: the two-CTA cluster attention kernel could not be built here "
+                      f"({_cluster_failures[-1]}); this process runs h128 as two CTAs per token",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])))
+    return True
+
+
+def _cluster_kernel(kernel, warps: int, grid: tuple, args: tuple, consts: dict):
+    for _ in range(2):
+        kw = dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])
+        ck = kernel.warmup(*args, grid=grid, **kw, num_warps=warps, num_stages=1)
+        if id(ck) in _cluster_ready:
+            return ck
+        off = _k_stage_offset(ck.asm["ttgir"])
+        if off == _cluster_k_off[0]:
+            nw, _, shared = ck.packed_metadata
+            ck.packed_metadata = (nw, 2, -(-shared // 16) * 16 + 32)
+            _cluster_ready[id(ck)] = ck
+            return ck
+        _cluster_k_off[0] = off
+    raise RuntimeError("the K stages' shared-memory offset moved between two compilations")
+
+
+def _k_stage_offset(ttgir: str) -> int:
+    """Offset Triton's shared-memory allocation gives the K stages (the [2, 64, 512] bf16 buffer)
+    in a compiled Gluon kernel: its allocation pass run again on the kernel's TTGIR."""
+    import os
+    import re
+    import tempfile
+
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir", delete=False) as f:
+        f.write(ttgir)
+    try:
+        mod = ir.parse_mlir_module(f.name, ctx)
+    finally:
+        os.unlink(f.name)
+    mod.context = ctx
+    pm = ir.pass_manager(ctx)
+    try:
+        passes.ttgpuir.add_allocate_warp_groups(pm, False)
+    except TypeError:  # Triton 3.6
+        passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 80)
+    pm.run(mod, "dsv4attn_k_offset")
+    found = re.findall(r"allocation\.offset = (\d+) : i32\} : \(\) -> !ttg\.memdesc<2x64x512xbf16", str(mod))
+    if len(found) != 1:
+        raise RuntimeError(f"cannot find the K stages' allocation in the compiled kernel ({len(found)} matches)")
+    return int(found[0])
+
+
+def _bound_values(kernel, args: tuple, consts: dict) -> list:
+    """Every parameter of ``kernel`` in order (runtime ``args``, then constexprs from ``consts``
+    or their defaults), as Triton's launcher takes them."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters
+    names = list(kernel.arg_names)
+    vals = list(args)
+    for name in names[len(args):]:
+        vals.append(consts[name] if name in consts else params[name].default)
+    return vals
 
 
 def _pipe_worth_it(sets: Sequence[CandidateSet], cfg: KernelConfig) -> bool:
