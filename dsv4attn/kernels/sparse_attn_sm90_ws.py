@@ -28,6 +28,11 @@ shared memory and hand work over with mbarriers (docs/design.md, "Attention kern
 Invalid candidates are never dereferenced (masked loads; prefetches of invalid candidates ask
 for the cache's first line) and get -inf logits from the per-chunk validity vector, as in every
 kernel of the library.
+
+With ``CLUSTER`` (65-128 heads, fp8 pages; ``KernelConfig.sm90_cluster``, off by default) a
+token's two head tiles run as one cluster of two CTAs whose producers each dequantise half of
+every chunk into both CTAs' K stages (:func:`_produce_set_cluster`; inline PTX, see the comment
+above :data:`_CL_BASE`).
 """
 
 from __future__ import annotations
