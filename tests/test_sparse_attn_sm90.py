@@ -330,9 +330,11 @@ def test_sm90_cluster_dispatch(monkeypatch, device, heads, fp8, cluster, want):
         assert tried == [] and [g for g, _ in seen] == [(2 * tiles, 2)] * 2
 
 
-def test_cluster_build_failure_falls_back_to_two_ctas(monkeypatch, device):
-    """If the cluster variant cannot be built here (Triton internals it relies on moved), the
-    launch warns once and runs the same kernel as two CTAs per token, now and later."""
+@pytest.mark.parametrize("fails", ["build", "launch"])
+def test_cluster_failure_falls_back_to_two_ctas(monkeypatch, device, fails):
+    """If the cluster variant cannot be built here (Triton internals it relies on moved) or the
+    driver refuses its launch, the launch warns once and runs the same kernel as two CTAs per
+    token, now and later."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     seen, builds = [], []
@@ -341,9 +343,17 @@ def test_cluster_build_failure_falls_back_to_two_ctas(monkeypatch, device):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append(grid)
 
+    class _Refused:
+        def __getitem__(self, grid):
+            def run(*args):
+                raise RuntimeError("cluster launch refused")
+            return run
+
     def broken(*a, **k):
         builds.append(1)
-        raise RuntimeError("allocation pass failed")
+        if fails == "build":
+            raise RuntimeError("allocation pass failed")
+        return _Refused()
 
     gen = torch.Generator().manual_seed(8)
     built = [build_set(SetSpec("indices", True, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device)]
@@ -353,6 +363,7 @@ def test_cluster_build_failure_falls_back_to_two_ctas(monkeypatch, device):
     monkeypatch.setattr(sl, "_sm90_failures", [])
     monkeypatch.setattr(sl, "_cluster_failures", [])
     monkeypatch.setattr(sl, "_cluster_kernel", broken)
+    monkeypatch.setattr(sl, "_bound_values", lambda kernel, args, consts: list(args))
     cfg = KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_cluster=True)
     with pytest.warns(RuntimeWarning, match="two CTAs per token"):
         launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
@@ -360,7 +371,8 @@ def test_cluster_build_failure_falls_back_to_two_ctas(monkeypatch, device):
     launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
            config=cfg)
     assert builds == [1] and seen == [(4, 1), (4, 1)]  # tried once; both launches ran as 2 tiles x 2 tokens
-    assert sl._cluster_failures and "allocation pass failed" in sl._cluster_failures[0]
+    assert len(sl._cluster_failures) == 1
+    assert ("allocation pass failed" if fails == "build" else "launch refused") in sl._cluster_failures[0]
 
 
 def test_cluster_launch_values_follow_the_kernel_signature():

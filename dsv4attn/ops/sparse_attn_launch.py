@@ -418,20 +418,26 @@ def _launch_cluster(kernel, warps: int, grid: tuple, args: tuple, consts: dict) 
     pairs, with the usual program ids) and 32 more bytes of dynamic shared memory for the
     cluster barriers. The K stages' offset, which the kernel's inline PTX needs, is read from the
     compiled kernel (the shared-memory allocation pass run on its TTGIR); the kernel is
-    recompiled if it differs. Returns False (after one warning) where this cannot be done."""
+    recompiled if it differs. Returns False (after one warning) where this cannot be done: the
+    caller then launches the kernel without the cluster, which raises again if the arguments
+    were at fault."""
     try:
         ck = _cluster_kernel(kernel, warps, grid, args, consts)
+        ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True,
+                                                                    K_OFF=_cluster_k_off[0])))
     except Exception as e:  # noqa: BLE001 - any failure here falls back to one CTA per tile
         _cluster_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
-        warnings.warn(f"dsv4attn: the two-CTA cluster attention kernel could not be built here "
+        warnings.warn(f"dsv4attn: the two-CTA cluster attention kernel could not be built or launched here "
                       f"({_cluster_failures[-1]}); this process runs h128 as two CTAs per token",
                       RuntimeWarning, stacklevel=3)
         return False
-    ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])))
     return True
 
 
 def _cluster_kernel(kernel, warps: int, grid: tuple, args: tuple, consts: dict):
+    """The compiled cluster kernel for this call's specialisation, its launch metadata set
+    (once per compiled kernel); compiled again with the K stages' offset where it is not the
+    one assumed."""
     for _ in range(2):
         kw = dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])
         ck = kernel.warmup(*args, grid=grid, **kw, num_warps=warps, num_stages=1)
