@@ -428,7 +428,7 @@ _CL_ST2_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
 
 @gluon.jit
 def _cl_op(asm: gl.constexpr, a, b):
-    """A cluster PTX helper on scalars (every thread of the partition runs it)."""
+    """A cluster PTX helper on scalars $1, $2 (every thread of the partition runs it)."""
     return gl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -441,19 +441,6 @@ def _cl_one(asm: gl.constexpr, a, b):
     """A cluster PTX helper that one thread of the 4-warp partition runs (operands $2, $3)."""
     lanes = gl.arange(0, 128, layout=LANES_L)
     gl.inline_asm_elementwise(asm, "=r,r,r,r", [lanes, a, b], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _cl_sync(x, asm: gl.constexpr = _CL_SYNC):
-    """Cluster barrier (all threads of both CTAs), or one of its halves (``asm``)."""
-    gl.inline_asm_elementwise(asm, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _cl_wait(off, parity):
-    gl.inline_asm_elementwise(_CL_WAIT, "=r,r,r", [off, parity], dtype=gl.int32, is_pure=False, pack=1)
-
-
 
 
 @gluon.jit
@@ -470,9 +457,8 @@ def _cl_tile_addr(rank, K_OFF: gl.constexpr):
 @gluon.jit
 def _cl_st(words, addr, off, delta, bar):
     """Tile words [32, 32] (WTO_L) into both CTAs' K stage: ``addr + off`` here and in the peer."""
-    o = gl.full([HALF, 32], 0, gl.int32, WTO_L) + off
-    gl.inline_asm_elementwise(_CL_ST2, _CL_ST2_C, [words, addr, o, gl.full([HALF, 32], 0, gl.int32, WTO_L) + delta,
-                                                   gl.full([HALF, 32], 0, gl.int32, WTO_L) + bar],
+    zero = gl.full([HALF, 32], 0, gl.int32, WTO_L)
+    gl.inline_asm_elementwise(_CL_ST2, _CL_ST2_C, [words, addr, zero + off, zero + delta, zero + bar],
                               dtype=gl.int32, is_pure=False, pack=4)
 
 
@@ -514,40 +500,32 @@ def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, s
                          stride_bt, max_blocks, start, req, block_size, IS_RANGE)
     xv = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
-    if AHEAD:  # this chunk's loads carried in registers from the previous iteration
+    lead: gl.constexpr = 2 if AHEAD else 0  # half-chunks between a load and its store
+    if AHEAD:  # the first chunk's loads; from then on each chunk's are carried from the iteration before
         a0, a1, a2, a3, a4, a5, a6, rope, sc, _v = _load_tiles(cache_ptr, x, _half_rows(rank, split, num_splits),
                                                               start, block_size, capacity, stride_blk, IS_RANGE)
         x = y
         y = _candidate_entry(t, _half_rows(4 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
-        if AHEAD:
-            b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b, _v = _load_tiles(
-                cache_ptr, x, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size, capacity,
-                stride_blk, IS_RANGE)
-            if PREFETCH:  # the lines of the chunk after
-                _prefetch_half(cache_ptr, y, _half_rows(2 * i + 4 + rank, split, num_splits), start, block_size,
-                               capacity, stride_blk, IS_RANGE)
-            x = y
-            y = _candidate_entry(t, _half_rows(2 * i + 6 + rank, split, num_splits), idx_ptr, stride_idx, length,
-                                 bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, rope, sc, _v = _load_tiles(cache_ptr, x, _half_rows(2 * i + rank, split,
-                                                                                           num_splits),
-                                                                  start, block_size, capacity, stride_blk, IS_RANGE)
-            if PREFETCH:  # the next chunk's lines
-                _prefetch_half(cache_ptr, y, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size,
-                               capacity, stride_blk, IS_RANGE)
-            x = y
-            y = _candidate_entry(t, _half_rows(2 * i + 4 + rank, split, num_splits), idx_ptr, stride_idx, length,
-                                 bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b, _v = _load_tiles(
+            cache_ptr, x, _half_rows(2 * i + lead + rank, split, num_splits), start, block_size, capacity, stride_blk,
+            IS_RANGE)
+        if PREFETCH:  # the lines of the chunk after the one loaded
+            _prefetch_half(cache_ptr, y, _half_rows(2 * i + lead + 2 + rank, split, num_splits), start, block_size,
+                           capacity, stride_blk, IS_RANGE)
+        x = y
+        y = _candidate_entry(t, _half_rows(2 * i + lead + 4 + rank, split, num_splits), idx_ptr, stride_idx, length,
+                             bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        if not AHEAD:
+            a0, a1, a2, a3, a4, a5, a6, rope, sc = b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b
         _b, _o, valid = _candidate_place(xv, _chunk_rows(i, split, num_splits), start, block_size, capacity,
                                          IS_RANGE)
         xv = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         st = it % 2
         if it >= 2:  # both CTAs' consumers are done with the stage's previous chunk
-            _cl_wait(16 + 8 * st, (it // 2 - 1) & 1)
+            _cl_op(_CL_WAIT, 16 + 8 * st, (it // 2 - 1) & 1)
         _cl_one(_CL_EXPECT, 8 * st, st)
         _store_tiles_cl(a0, a1, a2, a3, a4, a5, a6, rope, sc, addr, st, delta, peer_bar + 8 * st, DQ_BITS)
         valid_bufs.index(st).store(valid.to(gl.int8))
@@ -623,7 +601,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
         addr = _cl_tile_addr(pid_h, K_OFF)
         delta = _cl_op(_CL_DELTA, peer, peer)
         peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
-        _cl_sync(pid_h)  # the peer's barriers are initialised before the first remote store
+        _cl_op(_CL_SYNC, pid_h, pid_h)  # the peer's barriers are initialised before the first remote store
         it = _produce_set_cluster(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
                                   a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
                                   a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -633,8 +611,8 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
                                  b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
                                  b_start_ptr, B_RANGE, B_LEN, PREFETCH, DQ_BITS, PIPE)
-        _cl_sync(pid_h, _CL_ARRIVE)  # its last remote store is issued (release: it is done before the peer
-        _cl_sync(pid_h, _CL_WAIT_ALL)  # leaves the barrier); neither CTA exits before the other is done
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)  # its last remote store is issued (release: it is done before the peer
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)  # leaves the barrier); neither CTA exits before the other is done
     elif PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
@@ -742,7 +720,7 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         if CLUSTER:  # the peer's half of the chunk
-            _cl_wait(8 * st, (i // 2) & 1)
+            _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         k_cur = k_bufs.index(st)
         if CLUSTER:  # q through an index ptxas cannot prove 0: keeps its wgmma descriptors in the loop
             q_cur = q_all.index(i >> 30)  # (Triton 3.6 hoisted and spilled them here)
@@ -791,7 +769,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     normalisation factors."""
     q_smem = q_all.index(0)
     if CLUSTER:  # first: the peer's producer waits for it before its first remote store
-        _cl_sync(pid_h)
+        _cl_op(_CL_SYNC, pid_h, pid_h)
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -809,7 +787,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
                             qk_scale, 1 - pid_h, CLUSTER)
     if CLUSTER:  # its last remote arrive is issued
-        _cl_sync(pid_h, _CL_ARRIVE)
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
     m_o = gl.convert_layout(m_i, ROW_O)
     l_o = gl.convert_layout(l_i, ROW_O)
@@ -838,7 +816,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
                   stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     if CLUSTER:  # neither CTA exits while the other may still reach into it
-        _cl_sync(pid_h, _CL_WAIT_ALL)
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
     return (m_i,)
 
 
@@ -856,12 +834,12 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     if CLUSTER:
-        _cl_sync(pid_h)
+        _cl_op(_CL_SYNC, pid_h, pid_h)
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         if CLUSTER:
-            _cl_wait(8 * st, (i // 2) & 1)
+            _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
@@ -873,13 +851,13 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         else:
             mbarrier.arrive(empty.index(st))
     if CLUSTER:  # its last remote arrive is issued
-        _cl_sync(pid_h, _CL_ARRIVE)
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O)
     _store_half_o(o, f, q_smem.slice(HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     if CLUSTER:  # neither CTA exits while the other may still reach into it
-        _cl_sync(pid_h, _CL_WAIT_ALL)
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
 
 
 @gluon.jit
