@@ -229,6 +229,23 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def override_kernel_config(spec: str) -> None:
+    """Change the KernelConfig fields ``spec`` ("field=value,...") in every config that the
+    attention dispatch picks, for this process."""
+    import ast
+    import dataclasses
+
+    from dsv4attn.ops import sparse_attn_launch
+
+    over = {k.strip(): ast.literal_eval(v.strip()) for k, v in (kv.split("=") for kv in spec.split(","))}
+    fields = {f.name for f in dataclasses.fields(sparse_attn_launch.KernelConfig)}
+    if not set(over) <= fields:
+        raise SystemExit(f"--kernel-config: no KernelConfig field {sorted(set(over) - fields)}")
+    pick = sparse_attn_launch.kernel_config
+    sparse_attn_launch.kernel_config = lambda *a, **k: dataclasses.replace(pick(*a, **k), **over)
+    print(f"KernelConfig overridden: {over}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flashmla-path", default=None, help="folder holding the built flash_mla package")
@@ -236,7 +253,11 @@ def main() -> None:
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--kernel-config", default="", help='KernelConfig fields "field=value,..." changed in every '
+                   "config dispatch picks (a candidate default, timed before it becomes one)")
     args = p.parse_args()
+    if args.kernel_config:
+        override_kernel_config(args.kernel_config)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     fm = load_flashmla(args.flashmla_path) if cuda else None

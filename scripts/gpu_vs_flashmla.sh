@@ -12,7 +12,7 @@
 # Steps: pytest (PYTEST_ARGS) | tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill) | report | host (eager host time per call,
-#   scripts/host_overhead.py) | vs (the side-by-side table) -- each logs to $OUT/<step>.txt.
+#   scripts/host_overhead.py) | vs (the side-by-side table) | vs2 (it again with KCFG) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 SRC="$1"; SAVED="$2"; shift 2
@@ -64,6 +64,10 @@ for step in "$@"; do
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;
     vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs ${VS_ONLY:+--only "$VS_ONLY"} \
           --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
+    vs2) # the side by side again with KernelConfig fields KCFG in every dispatch (a candidate default)
+        wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
+          ${VS_ONLY:+--only "$VS_ONLY"} --kernel-config "$KCFG" --json "$OUT/vs2.json" 2>&1 | tee "$OUT/vs2.txt" \
+          | grep -v "^  " | tail -n 24 ;;
     *) echo "unknown step $step" ;;
   esac
 done
