@@ -31,6 +31,7 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
+    ("ws, merged sets", dict(sm90_merge_sets=True)),
     ("ws, h128 cluster", dict(sm90_cluster=True)),
     ("ws, h128 cluster, not ahead", dict(sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
     ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
@@ -162,7 +163,7 @@ def main() -> None:
     else:
         variants = VARIANTS
     if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:4]
+        variants = VARIANTS[:5]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         if "--h128" in sys.argv and h != 128:

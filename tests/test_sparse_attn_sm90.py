@@ -133,6 +133,44 @@ def test_sm90_cluster_is_bit_identical_to_two_ctas(case, min_chunks):
     assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
 
 
+# fp8 cases whose sets share one form: what the merged producer serves (the others walk their
+# sets one after another whatever the switch says).
+MERGE_CASES = [c for c in CASES if c[3][0].fp8 and len({s.form for s in c[3]}) == 1] + [
+    ("h128-idx+idx-split2", 128, 5, [SetSpec("indices", True, 64, 700, hole_frac=0.3),
+                                     SetSpec("indices", True, 16, 130)], 2, "finite", 2),
+    ("h64-range+range-split3", 64, 4, [SetSpec("range", True, 32, 500), SetSpec("range", True, 64, 70)], 3,
+     "inf", 3),
+    ("h64-idx-holes+idx", 64, 3, [SetSpec("indices", True, 64, 64, hole_frac=1.0),
+                                  SetSpec("indices", True, 64, 190, hole_frac=0.2)], 1, "none", 3),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_sm90_merged_producer_is_bit_identical(case):
+    """The producer that walks both sets as one sequence of half-chunks (``sm90_merge_sets``,
+    loads ahead) fills the same stages with the same bf16 rows in the same order as the one that
+    walks them one after the other: out and lse are bit-identical, and match the fp64 oracle
+    (sets shorter than a chunk, a set of holes only, empty rows, splits, NaN-poisoned pages)."""
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(case, device)
+    num_tokens, num_heads, d = q.shape
+    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
+    sets = [b.cset for b in built]
+    qd = q.to(device)
+    sk = None if sink is None else sink.to(device)
+    res = {}
+    for merge in (False, True):
+        cfg = dataclasses.replace(base, sm90_merge_sets=merge, sm90_pipe_min_chunks=0)
+        out = torch.empty_like(qd)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=cfg)
+        res[merge] = (out, lse)
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+    ref = oracle(q, built, 0.09, sink)
+    assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+
+
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")
@@ -418,6 +456,34 @@ def test_sm90_producer_loads_ahead_only_for_long_splits(monkeypatch, device, for
     launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, splits,
            config=KernelConfig(64, 64, splits, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks))
     assert [kw["PIPE"] for kw in seen] == [ahead]
+
+
+@pytest.mark.parametrize("forms, min_chunks, switch, merged", [
+    (("indices", "indices"), 0, True, True), (("range", "range"), 0, True, True), (("indices",), 0, True, True),
+    (("indices", "range"), 0, True, False), (("indices", "indices"), 10**9, True, False),
+    (("indices", "indices"), 0, False, False),
+])
+def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, switch, merged):
+    """Dispatch: the producer walks the sets as one sequence (``MERGE``) only with its loads
+    ahead (``PIPE``), the switch on, and every set of one form."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    seen = []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    gen = torch.Generator().manual_seed(9)
+    sets = [build_set(SetSpec(f, True, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset for f in forms]
+    q = torch.randn(2, 64, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1,
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks,
+                               sm90_merge_sets=switch))
+    assert [(kw["PIPE"], kw["MERGE"]) for kw in seen] == [(min_chunks == 0, merged)]
 
 
 @needs_hopper

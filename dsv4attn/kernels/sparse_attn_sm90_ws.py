@@ -368,6 +368,154 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     return it
 
 
+# The merged producer (``MERGE``, both sets of one form): ``PIPE``'s loop over this split's
+# half-chunks of set A and then of set B as one sequence, so that set B's slot lookups and first
+# loads go out while set A's last chunk is dequantised, as any next chunk's do, instead of after
+# it (each set's head used to wait for its own chain of reads). Each half-chunk's set is chosen
+# by its place in the sequence; the per-set values are scalars.
+@gluon.jit
+def _g_set(g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+           a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+           b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+           b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req):
+    """Half-chunk ``g`` of the merged sequence: its candidate positions in its set and that set's
+    values (set A's ``2 n_a`` half-chunks come first)."""
+    in_b = g >= 2 * n_a
+    j = _half_rows(g - 2 * n_a * in_b.to(gl.int32), split, num_splits)
+    return (j, gl.where(in_b, b_cache_ptr, a_cache_ptr), gl.where(in_b, b_stride_blk, a_stride_blk),
+            gl.where(in_b, b_block_size, a_block_size), gl.where(in_b, b_capacity, a_capacity),
+            gl.where(in_b, b_idx_ptr, a_idx_ptr), gl.where(in_b, b_stride_idx, a_stride_idx),
+            gl.where(in_b, b_length, a_length), gl.where(in_b, b_bt_ptr, a_bt_ptr),
+            gl.where(in_b, b_stride_bt, a_stride_bt), gl.where(in_b, b_max_blocks, a_max_blocks),
+            gl.where(in_b, b_start, a_start), gl.where(in_b, b_req, a_req))
+
+
+@gluon.jit
+def _g_entry(t, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+             a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+             b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+             b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+    """The slot-lookup reads of half-chunk ``g`` of the merged sequence."""
+    j, _c, _s, block_size, _cap, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req = _g_set(
+        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+    return _candidate_entry(t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
+                            IS_RANGE)
+
+
+@gluon.jit
+def _g_load(x, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+    """:func:`_load_tiles` of half-chunk ``g`` of the merged sequence (``x``: its lookups)."""
+    j, cache_ptr, stride_blk, block_size, capacity, _i, _si, _l, _b, _sb, _m, start, _r = _g_set(
+        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+    return _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE)
+
+
+@gluon.jit
+def _g_prefetch(x, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+                a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+    """:func:`_prefetch_half` of half-chunk ``g`` of the merged sequence."""
+    j, cache_ptr, stride_blk, block_size, capacity, _i, _si, _l, _b, _sb, _m, start, _r = _g_set(
+        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+    _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE)
+
+
+@gluon.jit
+def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                         a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
+                         a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                         b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
+                         b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                         IS_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_LEN: gl.constexpr,
+                         PREFETCH: gl.constexpr, DQ_BITS: gl.constexpr):
+    """:func:`_produce_set_pipe` over both sets as one sequence of half-chunks (``MERGE``)."""
+    a_start, a_length, a_req = _extent(t, a_width, a_len_ptr, a_req_ptr, a_start_ptr, a_num_reqs, a_max_blocks,
+                                       a_block_size, IS_RANGE, A_LEN)
+    n_a = _n_mine(a_length, split, num_splits)
+    if HAS_B:
+        b_start, b_length, b_req = _extent(t, b_width, b_len_ptr, b_req_ptr, b_start_ptr, b_num_reqs, b_max_blocks,
+                                           b_block_size, IS_RANGE, B_LEN)
+        n = n_a + _n_mine(b_length, split, num_splits)
+    else:
+        b_start, b_length, b_req = a_start, a_length * 0, a_req
+        n = n_a
+    x0 = _g_entry(t, 0, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    x1 = _g_entry(t, 1, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    y0 = _g_entry(t, 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    y1 = _g_entry(t, 3, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(
+        x0, 0, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+        a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    for h in range(0, 2 * n, 2):
+        b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1 = _g_load(
+            x1, h + 1, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        if PREFETCH:  # the next chunk's lines
+            _g_prefetch(y0, h + 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                        a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+            _g_prefetch(y1, h + 3, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                        a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        it = h // 2
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        k_buf = _stage_words(k_bufs, st)
+        valid_buf = valid_bufs.index(st)
+        _store_tiles(a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0),
+                     valid_buf.slice(0, HALF, dim=0), DQ_BITS)
+        a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(
+            y0, h + 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
+            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        x1 = y1
+        y0 = _g_entry(t, h + 4, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                      a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                      b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        y1 = _g_entry(t, h + 5, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                      a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
+                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                      b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
+                     valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+
+
 # h128 decode in clusters of two CTAs (``CLUSTER``, off by default: slower on the H100, see
 # docs/benchmarks.md, Table 52): the two 64-head tiles of a token run in one cluster; each CTA's
 # producer gathers and dequantises half of every chunk (rows 32 * rank ..) and writes each 16 bytes
@@ -595,7 +743,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
-              DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr):
+              DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr):
     if CLUSTER:
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF)
@@ -623,6 +771,13 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
                               b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                               b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
+    elif PIPE and MERGE:
+        _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                             a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
+                             a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                             b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
+                             b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                             A_RANGE, A_LEN, HAS_B, B_LEN, PREFETCH, DQ_BITS)
     elif PIPE:
         it = _produce_set_pipe(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
@@ -877,7 +1032,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
-    CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0,
+    CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -931,5 +1086,6 @@ def _sparse_mla_attn_sm90_ws_kernel(
                      b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                      b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF)),
+                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
+                     MERGE)),
     ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

@@ -85,6 +85,10 @@ class KernelConfig:
     #: half of every chunk and writes it into both CTAs' K stages (``st.async``), so each row is
     #: read and dequantised once per token instead of twice (docs/design.md, "Attention kernel").
     sm90_cluster: bool = False
+    #: On fp8 pages with the loads ahead (``sm90_pipe_min_chunks``), the producer walks both
+    #: candidate sets (when of one form) as one sequence of half-chunks, so that set B's lookups
+    #: and first loads go out while set A's last chunk is dequantised (tuning switch).
+    sm90_merge_sets: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -367,8 +371,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
         if ws:
-            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=a.is_fp8 and _pipe_worth_it(sets, cfg),
-                         DQ_BITS=cfg.sm90_dequant_bits)
+            pipe = a.is_fp8 and _pipe_worth_it(sets, cfg)
+            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe, DQ_BITS=cfg.sm90_dequant_bits,
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range)
         else:
             extra = dict(SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
