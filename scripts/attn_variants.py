@@ -31,10 +31,11 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
+    ("ws, dual producer", dict(sm90_dual_producer=True)),
     ("ws, merged sets", dict(sm90_merge_sets=True)),
+    ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
     ("ws, h128 cluster", dict(sm90_cluster=True)),
     ("ws, h128 cluster, not ahead", dict(sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
-    ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
     ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
@@ -118,7 +119,7 @@ def decode_sweep() -> None:
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {})]
+        labels = [("default", {}), ("dual producer", dict(sm90_dual_producer=True))]
         if not h128_only:
             labels += [("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
                        ("loads ahead", dict(sm90_pipe_min_chunks=0))]
@@ -162,8 +163,8 @@ def main() -> None:
         variants = [v for v in VARIANTS if v[0] in ("default", "sm90 single-partition")] + SKIP_VARIANTS
     else:
         variants = VARIANTS
-    if "--quick" in sys.argv:  # the Gluon kernels only
-        variants = VARIANTS[:5]
+    if "--quick" in sys.argv:  # the warp-specialised kernel's producers only
+        variants = VARIANTS[:4]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h, b in (SKIP_CASES if "--skips" in sys.argv else CASES):
         if "--h128" in sys.argv and h != 128:

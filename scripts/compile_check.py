@@ -110,16 +110,19 @@ def compile_sm90() -> int:
         pipes = (False, True) if "PIPE" in names else (False,)
         clusters = (False, True) if "CLUSTER" in names else (False,)
         merges = (False, True) if "MERGE" in names else (False,)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge in itertools.product(
-                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges):
+        duals = (False, True) if "DUAL" in names else (False,)
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals):
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
                 continue
+            if dual and (bf16 or pipe or cluster):  # two producer warpgroups: fp8 pages, loads not ahead
+                continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
-                                            ("CLUSTER", cluster), ("MERGE", merge)) if k in names})
+                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual)) if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default
                 if names[i] not in const and default is not inspect.Parameter.empty:

@@ -171,6 +171,38 @@ def test_sm90_merged_producer_is_bit_identical(case):
     assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
 
 
+# Every fp8 case above: what the two producer warpgroups serve (masked head rows, holes, a set of
+# holes only, empty rows, both set forms, splits, sinks of every kind).
+DUAL_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES + MERGE_CASES if c[3][0].fp8}.values())
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", DUAL_CASES, ids=[c[0] for c in DUAL_CASES])
+def test_sm90_dual_producer_is_bit_identical(case):
+    """Two producer warpgroups, each dequantising half of every chunk into the same stage, and
+    each consumer's half of O as two 64 x 128 accumulators (``sm90_dual_producer``): the same bf16
+    K tiles and the same products per output element as the default kernel, with its plain and
+    its loads-ahead producer. So out and lse are bit-identical, and match the fp64 oracle."""
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(case, device)
+    num_tokens, num_heads, d = q.shape
+    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
+    sets = [b.cset for b in built]
+    qd = q.to(device)
+    sk = None if sink is None else sink.to(device)
+    res = {}
+    for name, fields in (("plain", dict(sm90_pipe_min_chunks=10**9)), ("ahead", dict(sm90_pipe_min_chunks=0)),
+                         ("dual", dict(sm90_dual_producer=True))):
+        out = torch.full_like(qd, float("nan"))
+        lse = torch.full((num_tokens, num_heads), float("nan"), dtype=torch.float32, device=device)
+        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=dataclasses.replace(base, **fields))
+        res[name] = (out, lse)
+    for name in ("plain", "ahead"):
+        assert torch.equal(res["dual"][0], res[name][0]) and torch.equal(res["dual"][1], res[name][1]), name
+    ref = oracle(q, built, 0.09, sink)
+    assert_matches(res["dual"][0], res["dual"][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+
+
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")
@@ -484,6 +516,34 @@ def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, s
            config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks,
                                sm90_merge_sets=switch))
     assert [(kw["PIPE"], kw["MERGE"]) for kw in seen] == [(min_chunks == 0, merged)]
+
+
+@pytest.mark.parametrize("fp8, switch, cluster, want", [
+    (True, True, False, (True, False)), (True, False, False, (False, True)), (False, True, False, (False, False)),
+    (True, True, True, (True, False)),
+])
+def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, want):
+    """Dispatch: two producer warpgroups (``DUAL``) on fp8 pages when the switch is on, never with
+    the loads carried ahead (``PIPE``), never on bf16 pages, and the two-CTA cluster gives way."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    seen = []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    gen = torch.Generator().manual_seed(11)
+    sets = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset]
+    q = torch.randn(2, 128, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    monkeypatch.setattr(sl, "_launch_cluster", lambda *a: pytest.fail("the cluster launch was chosen"))
+    launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=0, sm90_dual_producer=switch,
+                               sm90_cluster=cluster and switch))
+    assert [(kw["DUAL"], kw["PIPE"]) for kw in seen] == [want]
 
 
 @needs_hopper

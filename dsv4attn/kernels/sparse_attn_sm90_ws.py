@@ -56,6 +56,8 @@ NUM_WARPS = 4
 WG1_REGS = gl.constexpr(160)
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(128)
+#: ``DUAL``: each of the two producer warpgroups' registers (warpgroup 0 then gets 192).
+DUAL_PRODUCER_REGS = gl.constexpr(80)
 #: Rows per producer step (half a chunk).
 HALF = gl.constexpr(32)
 # Producer layout [32 rows, 8 tiles, 64 bytes]: a lane holds 16 bytes of one row, 4 lanes a
@@ -221,6 +223,45 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         valid_buf = valid_bufs.index(st)
         _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0), DQ_BITS)
         _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
+    return it
+
+
+@gluon.jit
+def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                      cache_ptr, stride_blk, block_size, capacity,
+                      idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                      W: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
+                      DQ_BITS: gl.constexpr):
+    """One of the two producer warpgroups of ``DUAL``: :func:`_produce_set` for rows ``32 W ..``
+    of every chunk only (half-chunk ``2 i + W``). The other warpgroup fills the other half of the
+    same stage; each arrives on the stage's full barrier (two arrivals). Per chunk its loads are
+    issued and the lines of its next half asked of L2 before it waits for the stage, so each
+    warpgroup's loads travel while the other one dequantises."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = _n_mine(length, split, num_splits)
+    x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    for i in range(n_mine):
+        h = 2 * i + W
+        raw, rope, sc, v = _load_half(cache_ptr, x, _half_rows(h, split, num_splits), start, block_size, capacity,
+                                      stride_blk, IS_RANGE)
+        if PREFETCH:  # this warpgroup's half of the next chunk
+            _prefetch_half(cache_ptr, y, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+        x = y
+        y = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                             stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _store_half(raw, rope, sc, v, k_bufs.index(st).slice(W * HALF, HALF, dim=0),
+                    valid_bufs.index(st).slice(W * HALF, HALF, dim=0), DQ_BITS)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
         _cta_barrier()  # the partition's stores are done before its one arrive
         mbarrier.arrive(full.index(st))
@@ -743,8 +784,19 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
-              DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr):
-    if CLUSTER:
+              DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
+              DUAL: gl.constexpr, W: gl.constexpr):
+    if DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
+        it = _produce_set_rows(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
+                               a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                               W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
+        if HAS_B:
+            _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                              b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
+                              b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                              W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
+    elif CLUSTER:
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF)
         delta = _cl_op(_CL_DELTA, peer, peer)
@@ -810,19 +862,29 @@ ROW_O = gl.constexpr(gl.SliceLayout(1, O4_L))
 # A half of the output read back from shared memory: a warp covers one row's 256 bf16 (512
 # contiguous bytes), 16 bytes per thread.
 OST_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+# ``DUAL``: each consumer's half of O as two [64, 128] accumulators (a 64 x 256 wgmma needs a
+# register target of 158, above the 128 at which ptxas compiles a 16-warp kernel); a quarter of
+# the output read back with a warp over two rows' 128 bf16.
+QV = gl.constexpr(128)
+O2_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
+P_A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O2_L, k_width=2))
+ROW_O2 = gl.constexpr(gl.SliceLayout(1, O2_L))
+OST2_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 @gluon.jit
 def _store_half_o(o, f, stage, t64, pid_h, split, num_heads, col0, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                  split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+                  split_base, total_splits, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
+                  WIDTH: gl.constexpr = HALF_V, O_L: gl.constexpr = O4_L, OST: gl.constexpr = OST_L):
     """Write ``o * f`` (rows = heads, 256 columns starting at ``col0``) to the output or the
-    split-KV partial. A bf16 output goes through ``stage`` (this half's columns of q's buffer,
-    free once the last logits are done): stored in the accumulator's layout, read back by rows,
-    so each warp writes 512 contiguous bytes. Written straight from the accumulator layout (4
-    bytes per thread and row), the epilogue made a CTA's fixed cost 8.3 us instead of 5.7 us on
-    the H200 (h64 prefill, docs/benchmarks.md Table 27)."""
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-    d = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, O4_L))
+    split-KV partial (``WIDTH`` columns in layout ``O_L``; ``OST`` reads them back by rows). A bf16
+    output goes through ``stage`` (these columns of q's buffer, free once the last logits are
+    done): stored in the accumulator's layout, read back by rows, so each warp writes 512
+    contiguous bytes. Written straight from the accumulator layout (4 bytes per thread and row),
+    the epilogue made a CTA's fixed cost 8.3 us instead of 5.7 us on the H200 (h64 prefill,
+    docs/benchmarks.md Table 27)."""
+    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    d = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, O_L))
     h_ok = h < num_heads
     hc = gl.where(h_ok, h, 0)
     mask2 = gl.expand_dims(h_ok, 1)
@@ -830,12 +892,12 @@ def _store_half_o(o, f, stage, t64, pid_h, split, num_heads, col0, out_ptr, stri
     if OUT_BF16 and not WRITE_PARTIAL:
         stage.store(res.to(gl.bfloat16))
         _cta_barrier()
-        hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OST_L))
-        ds = col0 + gl.arange(0, HALF_V, layout=gl.SliceLayout(0, OST_L))
+        hs = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OST))
+        ds = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, OST))
         hs_ok = hs < num_heads
         optr = (out_ptr + t64 * stride_o_t + gl.expand_dims(gl.where(hs_ok, hs, 0) * stride_o_h, 1)
                 + gl.expand_dims(ds, 0))
-        gl.store(optr, stage.load(OST_L), mask=gl.expand_dims(hs_ok, 1))
+        gl.store(optr, stage.load(OST), mask=gl.expand_dims(hs_ok, 1))
     elif WRITE_PARTIAL:
         part_row = (t64 * total_splits + split_base + split) * num_heads + hc
         gl.store(part_o_ptr + gl.expand_dims(part_row * HEAD_DIM, 1) + gl.expand_dims(d, 0), res, mask=mask2)
@@ -911,6 +973,43 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
 
 
 @gluon.jit
+def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
+                   qk_scale):
+    """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``)."""
+    for i in range(n):
+        st = i % 2
+        mbarrier.wait(full.index(st), (i // 2) & 1)
+        k_cur = k_bufs.index(st)
+        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+                          use_acc=False)
+        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
+        s = gl.where(ok, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.bfloat16)
+        a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
+        o0 = o0 * a2
+        o1 = o1 * a2
+        pa = gl.convert_layout(p16, P_A2)
+        acc0 = warpgroup_mma(pa, k_cur.slice(0, QV, dim=1), o0, is_async=True)
+        acc1 = warpgroup_mma(pa, k_cur.slice(QV, QV, dim=1), o1, is_async=True)
+        mbarrier.wait(p_free.index(st), ((i // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        p_bufs.index(st).store(p16)
+        a_bufs.index(st).store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready.index(st))
+        o0, o1, pa = warpgroup_mma_wait(0, deps=[acc0, acc1, pa])
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))
+    return o0, o1, m_i, l_i
+
+
+@gluon.jit
 def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
          empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
          out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
@@ -919,7 +1018,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
     q_smem = q_all.index(0)
@@ -936,11 +1035,17 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
-    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
-    o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-                            qk_scale, 1 - pid_h, CLUSTER)
+    if DUAL:
+        o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
+        o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
+        o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
+                                          full, p_ready, p_free, qk_scale)
+    else:
+        o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
+        o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
+                                p_free, qk_scale, 1 - pid_h, CLUSTER)
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
@@ -968,11 +1073,55 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))
-    _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
-                  stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
+    if DUAL:
+        f2 = gl.convert_layout(f, ROW_O2)
+        _store_half_o(o0, f2, q_smem.slice(0, QV, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
+                      stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L, OST2_L)
+        _store_half_o(o1, f2, q_smem.slice(QV, QV, dim=1), t64, pid_h, split, num_heads, QV, out_ptr, stride_o_t,
+                      stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L, OST2_L)
+    else:
+        _store_half_o(o, f, q_smem.slice(0, HALF_V, dim=1), t64, pid_h, split, num_heads, 0, out_ptr, stride_o_t,
+                      stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     if CLUSTER:  # neither CTA exits while the other may still reach into it
         _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
     return (m_i,)
+
+
+@gluon.jit
+def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split,
+              num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+              a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+              b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """:func:`_wg1` of ``DUAL``: its half of O (columns 256-511) as two [64, 128] accumulators."""
+    n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
+                 a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
+    o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
+    o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
+    for i in range(n):
+        st = i % 2
+        mbarrier.wait(full.index(st), (i // 2) & 1)
+        mbarrier.wait(p_ready.index(st), (i // 2) & 1)
+        alpha = gl.expand_dims(a_bufs.index(st).load(ROW_O2), 1)
+        o0 = o0 * alpha
+        o1 = o1 * alpha
+        k_cur = k_bufs.index(st)
+        acc0 = warpgroup_mma(p_bufs.index(st), k_cur.slice(HALF_V, QV, dim=1), o0, is_async=True)
+        acc1 = warpgroup_mma(p_bufs.index(st), k_cur.slice(HALF_V + QV, QV, dim=1), o1, is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        _cta_barrier()
+        mbarrier.arrive(p_free.index(st))
+        mbarrier.arrive(empty.index(st))
+    mbarrier.wait(fin.index(0), 0)
+    f = f_smem.load(ROW_O2)
+    _store_half_o(o0, f, q_smem.slice(HALF_V, QV, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
+                  stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L,
+                  OST2_L)
+    _store_half_o(o1, f, q_smem.slice(HALF_V + QV, QV, dim=1), t64, pid_h, split, num_heads, HALF_V + QV, out_ptr,
+                  stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L,
+                  OST2_L)
 
 
 @gluon.jit
@@ -1032,7 +1181,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
-    CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False,
+    CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1058,7 +1207,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(full.index(i), count=2 if DUAL else 1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(fin.index(0), count=1)
@@ -1066,26 +1215,60 @@ def _sparse_mla_attn_sm90_ws_kernel(
         _cl_one(_CL_INIT, t, t)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
-                out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
-                part_lse_ptr, sink_ptr, split_base, total_splits,
-                a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER)),
-        (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
-                num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
-                a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
-        (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
-                     a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-                     a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                     a_req_ptr, a_start_ptr,
-                     b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-                     b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                     b_req_ptr, b_start_ptr,
-                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                     MERGE)),
-    ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
+    if DUAL:  # two producer warpgroups, each filling half of every stage; the consumers' halves of O in quarters
+        gl.warp_specialize([
+            (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
+                    valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
+                    out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
+                    part_lse_ptr, sink_ptr, split_base, total_splits,
+                    a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                    b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
+            (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
+                         split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
+                         total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
+                         a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr,
+                         b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
+            (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
+                         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+                         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                         a_req_ptr, a_start_ptr,
+                         b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+                         b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                         b_req_ptr, b_start_ptr,
+                         A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
+                         MERGE, DUAL, 0)),
+            (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
+                         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+                         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                         a_req_ptr, a_start_ptr,
+                         b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+                         b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                         b_req_ptr, b_start_ptr,
+                         A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
+                         MERGE, DUAL, 1)),
+        ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [WG1_REGS, DUAL_PRODUCER_REGS, DUAL_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
+                    valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
+                    out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
+                    part_lse_ptr, sink_ptr, split_base, total_splits,
+                    a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                    b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
+            (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
+                    num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+                    a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
+                    b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
+            (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
+                         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
+                         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                         a_req_ptr, a_start_ptr,
+                         b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
+                         b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                         b_req_ptr, b_start_ptr,
+                         A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
+                         MERGE, DUAL, 0)),
+        ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

@@ -89,6 +89,13 @@ class KernelConfig:
     #: candidate sets (when of one form) as one sequence of half-chunks, so that set B's lookups
     #: and first loads go out while set A's last chunk is dequantised (tuning switch).
     sm90_merge_sets: bool = False
+    #: On fp8 pages, the warp-specialised kernel runs two producer warpgroups (16 warps), each
+    #: loading and dequantising half of every chunk, instead of one that does all of it: twice the
+    #: warps to hide the gathers' latency behind each other's dequantisation. Each consumer's half
+    #: of O is then two 64 x 128 accumulators (a 16-warp kernel cannot hold a 64 x 256 one), and
+    #: the producers' loads are never carried ahead (``sm90_pipe_min_chunks`` and
+    #: ``sm90_merge_sets`` do not apply; neither does ``sm90_cluster``).
+    sm90_dual_producer: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -370,10 +377,11 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
         kernel, warps = _sm90_kernel(ws)
+        dual = ws and a.is_fp8 and cfg.sm90_dual_producer
         if ws:
-            pipe = a.is_fp8 and _pipe_worth_it(sets, cfg)
+            pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe, DQ_BITS=cfg.sm90_dequant_bits,
-                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range)
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
             extra = dict(SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
@@ -381,7 +389,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                       A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
                       PAGES_BF16=not a.is_fp8, **extra)
         try:
-            if (ws and a.is_fp8 and cfg.sm90_cluster and _cdiv(num_heads, cfg.block_h) == 2
+            if (ws and a.is_fp8 and cfg.sm90_cluster and not dual and _cdiv(num_heads, cfg.block_h) == 2
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
                                                                   consts)):
                 return
