@@ -91,8 +91,9 @@ def compile_all(path: str, targets: list[int]) -> int:
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
-    output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster;
-    the cluster's K-stage offset is checked against what its inline PTX assumes)."""
+    output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster,
+    the merged sets and the two producer warpgroups; the cluster's K-stage offset is checked
+    against what its inline PTX assumes)."""
     import inspect
     import itertools
 
