@@ -926,6 +926,35 @@ def _n_total(t, split, num_splits,
 
 
 @gluon.jit
+def _row_stats(m_i, l_i, h, t64, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_lse_ptr,
+               sink_ptr, split_base, total_splits, HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr,
+               WRITE_MAX: gl.constexpr):
+    """The end of a split's softmax for heads ``h`` (running max ``m_i`` and sum ``l_i``, base
+    2): writes the lse (natural log; +inf for a row with no valid candidate) and the max logits,
+    or the split-KV partial's base-2 lse (-inf when empty), and returns each row's output factor
+    (``1 / l``, with the sink's share taken out; 0 for an empty row)."""
+    h_ok = h < num_heads
+    hc = gl.where(h_ok, h, 0)
+    is_empty = l_i == 0.0
+    l_safe = gl.where(is_empty, 1.0, l_i)
+    lse2 = gl.where(is_empty, float("-inf"), m_i + gl.log2(l_safe))
+    f = 1.0 / l_safe
+    if WRITE_PARTIAL:
+        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
+        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
+    else:
+        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
+        f = gl.where(is_empty, 0.0, f)
+        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:
+            gl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
+    return f
+
+
+@gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
               peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
@@ -1049,27 +1078,10 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
-    m_o = gl.convert_layout(m_i, ROW_O)
-    l_o = gl.convert_layout(l_i, ROW_O)
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-    h_ok = h < num_heads
-    hc = gl.where(h_ok, h, 0)
-    is_empty = l_o == 0.0
-    l_safe = gl.where(is_empty, 1.0, l_o)
-    lse2 = gl.where(is_empty, float("-inf"), m_o + gl.log2(l_safe))
-    f = 1.0 / l_safe
-    if WRITE_PARTIAL:
-        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
-        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
-    else:
-        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
-        f = gl.where(is_empty, 0.0, f)
-        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
-        if WRITE_MAX:
-            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
+    f = _row_stats(gl.convert_layout(m_i, ROW_O), gl.convert_layout(l_i, ROW_O),
+                   pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O), t64, split, num_heads, lse_ptr,
+                   stride_lse_t, max_ptr, stride_max_t, part_lse_ptr, sink_ptr, split_base, total_splits, HAS_SINK,
+                   WRITE_PARTIAL, WRITE_MAX)
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))
