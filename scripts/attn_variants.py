@@ -5,12 +5,15 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill] [--decode-sweep] [--h128]   # repository root; graph replays
+    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill [--bf16]] [--decode-sweep] [--h128]
+
+(from the repository root; graph replays)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import torch
@@ -76,7 +79,7 @@ def prefill_variants() -> None:
             q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
             sink = torch.randn(h, device="cuda", generator=gen)
             lengths = torch.full((s_q,), topk, dtype=torch.int32, device="cuda")
-            pages = {"bf16": kv, "fp8": quantize_fp8_ds_mla(kv)}
+            pages = {"bf16": kv} if "--bf16" in sys.argv else {"bf16": kv, "fp8": quantize_fp8_ds_mla(kv)}
             for kind, cache in pages.items():
                 sets = [CandidateSet(cache=cache, lengths=lengths, indices=idx)]
                 base = kernel_config(s_q, h, D, topk, q.device)
@@ -85,8 +88,9 @@ def prefill_variants() -> None:
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
                                     ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
+                                    ("q in registers", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_qreg=True)),
                                     ("ws fp32-chain dq", dict(sm90_ws=True, sm90_dequant_bits=False))):
-                    if kind == "bf16" and label == "ws fp32-chain dq":
+                    if label == ("ws fp32-chain dq" if kind == "bf16" else "q in registers"):
                         continue
                     cfg = dataclasses.replace(base, **over)
                     try:
@@ -111,7 +115,6 @@ def decode_sweep() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     b = 1024
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    import sys
 
     h128_only = "--h128" in sys.argv
     for h in (128,) if h128_only else (64, 128):
@@ -119,12 +122,12 @@ def decode_sweep() -> None:
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {}), ("dual producer", dict(sm90_dual_producer=True))]
+        labels = [("default", {}), ("one producer", dict(sm90_dual_producer=False))]
         if not h128_only:
-            labels += [("loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
-                       ("loads ahead", dict(sm90_pipe_min_chunks=0))]
+            labels += [("one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
+                       ("one producer, ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=0))]
         if h == 128:
-            labels += [("cluster", dict(sm90_cluster=True))]
+            labels += [("cluster", dict(sm90_dual_producer=False, sm90_cluster=True))]
         res: dict = {lab: [] for lab, _ in labels}
         for k in ((448, 960, 1984) if h128_only else (64, 192, 448, 960, 1984)):
             sets = []
@@ -150,8 +153,6 @@ def decode_sweep() -> None:
 
 
 def main() -> None:
-    import sys
-
     if "--prefill" in sys.argv:
         prefill_variants()
         return

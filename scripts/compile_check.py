@@ -93,7 +93,7 @@ def compile_sm90() -> int:
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster,
     the merged sets and the two producer warpgroups; the cluster's K-stage offset is checked
-    against what its inline PTX assumes)."""
+    against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages."""
     import inspect
     import itertools
 
@@ -101,11 +101,12 @@ def compile_sm90() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_ws
+    from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_qreg, sparse_attn_sm90_ws
 
     failures = n = 0
     kernels = ((sparse_attn_sm90._sparse_mla_attn_sm90_kernel, sparse_attn_sm90.NUM_WARPS, (False, True)),
-               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)))
+               (sparse_attn_sm90_ws._sparse_mla_attn_sm90_ws_kernel, sparse_attn_sm90_ws.NUM_WARPS, (False, True)),
+               (sparse_attn_sm90_qreg._sparse_mla_attn_sm90_qreg_kernel, sparse_attn_sm90_qreg.NUM_WARPS, (True,)))
     for kernel, warps, page_kinds in kernels:
         names = list(kernel.arg_names)
         pipes = (False, True) if "PIPE" in names else (False,)

@@ -11,7 +11,7 @@
 #   machine waits for that build instead of starting another.
 # Steps: pytest (PYTEST_ARGS) | tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
-#   prefill (its --prefill) | report | host (eager host time per call,
+#   prefill (its --prefill, PREFILL_ARGS=--bf16: bf16 pages only) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table) | vs2 (it again with KCFG) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -59,7 +59,7 @@ for step in "$@"; do
            timeout "${PYTEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $PYTEST_ARGS 2>&1 | tail -n 30 \
              > "$OUT/pytest.txt"; tail -n 3 "$OUT/pytest.txt" ;;
     quick) timeout "${QUICK_TIMEOUT:-150}" python3 -m scripts.attn_variants --quick > "$OUT/quick.txt" 2>&1; grep -v "^  *[0-9]" "$OUT/quick.txt" | head -40 ;;
-    prefill) timeout 200 python3 -m scripts.attn_variants --prefill > "$OUT/prefill.txt" 2>&1; cat "$OUT/prefill.txt" ;;
+    prefill) timeout 200 python3 -m scripts.attn_variants --prefill ${PREFILL_ARGS:-} > "$OUT/prefill.txt" 2>&1; cat "$OUT/prefill.txt" ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;
     vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs ${VS_ONLY:+--only "$VS_ONLY"} \

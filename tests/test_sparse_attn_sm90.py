@@ -91,6 +91,34 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
     torch.testing.assert_close(lse, p_lse, atol=1e-4, rtol=1e-5)
 
 
+def _assert_variants_bit_identical(case, variants: dict, max_logits: bool = False, after_launch=None) -> None:
+    """Launch ``case`` once per named change of its KernelConfig (``{name: fields}``), into
+    NaN-filled outputs: out, lse (and max logits) of every variant equal the first one's bit for
+    bit, and the last one's match the fp64 oracle. ``after_launch(name)`` runs after each launch."""
+    device = torch.device("cuda")
+    q, built, sink, num_splits = _inputs(case, device)
+    num_tokens, num_heads, d = q.shape
+    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
+    sets = [b.cset for b in built]
+    qd = q.to(device)
+    sk = None if sink is None else sink.to(device)
+    res = []
+    for name, fields in variants.items():
+        out = torch.full_like(qd, float("nan"))
+        lse = torch.full((num_tokens, num_heads), float("nan"), dtype=torch.float32, device=device)
+        mx = torch.full_like(lse, float("nan")) if max_logits else None
+        launch(qd, sets, 0.09, sk, out, lse, mx, num_splits, config=dataclasses.replace(base, **fields))
+        if after_launch is not None:
+            after_launch(name)
+        res.append((name, out, lse, mx))
+    first = res[0]
+    for name, out, lse, mx in res[1:]:
+        assert torch.equal(out, first[1]) and torch.equal(lse, first[2]), f"{name} against {first[0]}"
+        assert not max_logits or torch.equal(mx, first[3]), f"{name} against {first[0]}: max logits"
+    ref = oracle(q, built, 0.09, sink)
+    assert_matches(res[-1][1], res[-1][2], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+
+
 # Cases with two 64-head tiles on fp8 pages: what the two-CTA cluster variant serves.
 CLUSTER_CASES = [c for c in CASES if 64 < c[1] <= 128 and c[3][0].fp8] + [
     ("h128-idx+range-split3", 128, 5, [SetSpec("indices", True, 64, 900, hole_frac=0.3),
@@ -111,26 +139,18 @@ def test_sm90_cluster_is_bit_identical_to_two_ctas(case, min_chunks):
     fp64 oracle (holes, a set of holes only, empty rows, splits, sinks, NaN-poisoned pages)."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
-    device = torch.device("cuda")
-    q, built, sink, num_splits = _inputs(case, device)
-    num_tokens, num_heads, d = q.shape
-    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    sets = [b.cset for b in built]
-    qd = q.to(device)
-    sk = None if sink is None else sink.to(device)
-    res = {}
-    for cluster in (False, True):
-        cfg = dataclasses.replace(base, sm90_cluster=cluster, sm90_pipe_min_chunks=min_chunks)
-        out = torch.empty_like(qd)
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-        ready = len(sl._cluster_ready)
-        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=cfg)
+    ready = [len(sl._cluster_ready)]
+
+    def compiled(name: str) -> None:
         assert not sl._cluster_failures
-        assert (len(sl._cluster_ready) >= max(ready, 1)) if cluster else len(sl._cluster_ready) == ready
-        res[cluster] = (out, lse)
-    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
-    ref = oracle(q, built, 0.09, sink)
-    assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+        if name == "cluster":
+            assert len(sl._cluster_ready) >= max(ready[0], 1)
+        else:
+            assert len(sl._cluster_ready) == ready[0]
+
+    one = dict(sm90_pipe_min_chunks=min_chunks, sm90_dual_producer=False)
+    _assert_variants_bit_identical(case, {"two CTAs": dict(one, sm90_cluster=False),
+                                          "cluster": dict(one, sm90_cluster=True)}, after_launch=compiled)
 
 
 # fp8 cases whose sets share one form: what the merged producer serves (the others walk their
@@ -152,23 +172,9 @@ def test_sm90_merged_producer_is_bit_identical(case):
     loads ahead) fills the same stages with the same bf16 rows in the same order as the one that
     walks them one after the other: out and lse are bit-identical, and match the fp64 oracle
     (sets shorter than a chunk, a set of holes only, empty rows, splits, NaN-poisoned pages)."""
-    device = torch.device("cuda")
-    q, built, sink, num_splits = _inputs(case, device)
-    num_tokens, num_heads, d = q.shape
-    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    sets = [b.cset for b in built]
-    qd = q.to(device)
-    sk = None if sink is None else sink.to(device)
-    res = {}
-    for merge in (False, True):
-        cfg = dataclasses.replace(base, sm90_merge_sets=merge, sm90_pipe_min_chunks=0)
-        out = torch.empty_like(qd)
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=cfg)
-        res[merge] = (out, lse)
-    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
-    ref = oracle(q, built, 0.09, sink)
-    assert_matches(res[True][0], res[True][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+    one = dict(sm90_pipe_min_chunks=0, sm90_dual_producer=False)
+    _assert_variants_bit_identical(case, {"per set": dict(one, sm90_merge_sets=False),
+                                          "merged": dict(one, sm90_merge_sets=True)})
 
 
 # Every fp8 case above: what the two producer warpgroups serve (masked head rows, holes, a set of
@@ -183,24 +189,37 @@ def test_sm90_dual_producer_is_bit_identical(case):
     each consumer's half of O as two 64 x 128 accumulators (``sm90_dual_producer``): the same bf16
     K tiles and the same products per output element as the default kernel, with its plain and
     its loads-ahead producer. So out and lse are bit-identical, and match the fp64 oracle."""
-    device = torch.device("cuda")
-    q, built, sink, num_splits = _inputs(case, device)
-    num_tokens, num_heads, d = q.shape
-    base = kernel_config(num_tokens, num_heads, d, 1024, device, num_splits)
-    sets = [b.cset for b in built]
-    qd = q.to(device)
-    sk = None if sink is None else sink.to(device)
-    res = {}
-    for name, fields in (("plain", dict(sm90_pipe_min_chunks=10**9)), ("ahead", dict(sm90_pipe_min_chunks=0)),
-                         ("dual", dict(sm90_dual_producer=True))):
-        out = torch.full_like(qd, float("nan"))
-        lse = torch.full((num_tokens, num_heads), float("nan"), dtype=torch.float32, device=device)
-        launch(qd, sets, 0.09, sk, out, lse, None, num_splits, config=dataclasses.replace(base, **fields))
-        res[name] = (out, lse)
-    for name in ("plain", "ahead"):
-        assert torch.equal(res["dual"][0], res[name][0]) and torch.equal(res["dual"][1], res[name][1]), name
-    ref = oracle(q, built, 0.09, sink)
-    assert_matches(res["dual"][0], res["dual"][1], ref, oracle(q, built, 0.09, sink, low_precision=True), case[0])
+    one = dict(sm90_dual_producer=False)
+    _assert_variants_bit_identical(case, {"plain": dict(one, sm90_pipe_min_chunks=10**9),
+                                          "ahead": dict(one, sm90_pipe_min_chunks=0),
+                                          "dual": dict(sm90_dual_producer=True)})
+
+
+# Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
+# a set of holes only, fewer chunks than K stages, both set forms, odd chunk counts per split).
+QREG_CASES = [c for c in CASES if not c[3][0].fp8] + [
+    ("bf16-h128-idx+range-split5", 128, 4, [SetSpec("indices", False, 64, 1000, hole_frac=0.2),
+                                            SetSpec("range", False, 64, 257)], 5, "finite", 2),
+    ("bf16-h40-holes+idx", 40, 3, [SetSpec("indices", False, 64, 64, hole_frac=1.0),
+                                   SetSpec("indices", False, 16, 190, hole_frac=0.2)], 1, "none", 3),
+    ("bf16-h64-range-1chunk", 64, 3, [SetSpec("range", False, 64, 40)], 1, "inf", 2),
+    ("bf16-h64-idx-2chunks", 64, 2, [SetSpec("indices", False, 32, 128, hole_frac=0.0)], 1, "finite", 1),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
+@pytest.mark.parametrize("case", QREG_CASES, ids=[c[0] for c in QREG_CASES])
+def test_sm90_qreg_is_bit_identical(case, max_logits):
+    """The q-in-registers kernel on bf16 pages (``sm90_bf16_qreg``: q held in warpgroup 0's
+    registers, three K stages, both halves of ``P V`` on two other warpgroups) computes the same
+    products in the same order as the warp-specialised kernel: the logits over the 512 dims in
+    one accumulation, P rounded to bf16 once, each output column's ``P V`` from the same P. So
+    out, lse and max logits are bit-identical, and match the fp64 oracle."""
+    if max_logits and case[4] > 1:
+        pytest.skip("max logits are produced without split-KV only")
+    _assert_variants_bit_identical(case, {"warp-specialised": dict(sm90_bf16_qreg=False),
+                                          "q in registers": dict(sm90_bf16_qreg=True)}, max_logits)
 
 
 @needs_hopper
@@ -281,7 +300,7 @@ def test_build_failure_falls_back_to_the_portable_kernel(monkeypatch, device):
     cfg = KernelConfig(16, 16, 1, 4, 1, sm90=True)
     want_o, want_l = torch.empty_like(q), torch.empty(2, 4, device=device)
     launch(q, [built[0].cset], 0.1, None, want_o, want_l, None, 1, config=dataclasses.replace(cfg, sm90=False))
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws: (_Broken(), 8))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, qreg=False: (_Broken(), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     for i in range(2):
@@ -308,7 +327,7 @@ def test_argument_errors_are_not_swallowed(monkeypatch, device):
     gen = torch.Generator().manual_seed(4)
     built = [build_set(SetSpec("indices", True, 16, 20), 1, [0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(1, 4, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws: (_Bad(), 8))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, qreg=False: (_Bad(), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     with pytest.raises(TypeError, match="bad argument"):
@@ -317,12 +336,13 @@ def test_argument_errors_are_not_swallowed(monkeypatch, device):
     assert sl._sm90_failures == []
 
 
-@pytest.mark.parametrize("variant", ["ws", "single"])
+@pytest.mark.parametrize("variant", ["ws", "single", "qreg"])
 def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, variant):
-    """Dispatch: when uses_sm90 holds, the sm90 kernel picked by ``sm90_ws`` (fp8 pages) gets
-    the portable kernel's arguments plus its own constexprs, and nothing else runs (no portable
-    launch after it)."""
+    """Dispatch: when uses_sm90 holds, the sm90 kernel picked by ``sm90_ws`` (fp8 pages) or
+    ``sm90_bf16_qreg`` (bf16 pages) gets the portable kernel's arguments plus its own
+    constexprs, and nothing else runs (no portable launch after it)."""
     from dsv4attn.kernels.sparse_attn_sm90 import _sparse_mla_attn_sm90_kernel as single
+    from dsv4attn.kernels.sparse_attn_sm90_qreg import _sparse_mla_attn_sm90_qreg_kernel as qreg
     from dsv4attn.kernels.sparse_attn_sm90_ws import _sparse_mla_attn_sm90_ws_kernel as warp_specialised
     from dsv4attn.ops import sparse_attn_launch as sl
 
@@ -338,15 +358,18 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
             return run
 
     gen = torch.Generator().manual_seed(5)
-    built = [build_set(SetSpec("indices", True, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
+    fp8 = variant != "qreg"
+    built = [build_set(SetSpec("indices", fp8, 16, 20), 3, [0, 0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(3, 40, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    kernels = {"ws": warp_specialised, "single": single}
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(kernels["ws" if w else "single"]), 8))
+    kernels = {"ws": warp_specialised, "single": single, "qreg": qreg}
+    monkeypatch.setattr(sl, "_sm90_kernel",
+                        lambda w, qr=False: (_Ok(kernels["qreg" if qr else "ws" if w else "single"]), 8))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     out = torch.full_like(q, 7.0)
     launch(q, [built[0].cset], 0.1, None, out, torch.empty(3, 40, device=device), None, 1,
-           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=variant == "ws"))
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=variant != "single",
+                               sm90_bf16_qreg=variant == "qreg"))
     assert len(seen) == 1 and (out == 7.0).all()  # the (fake) sm90 kernel ran alone
     grid, nargs, kw, real = seen[0]
     assert real is kernels[variant]
@@ -355,7 +378,8 @@ def test_sm90_launch_is_the_only_launch_when_it_succeeds(monkeypatch, device, va
     constexprs = [n for n in real.arg_names if n.isupper() and n not in ("CLUSTER", "K_OFF")]
     assert grid == (3, 1) and nargs == len([n for n in real.arg_names if not n.isupper()])
     assert set(kw) == set(constexprs) | {"num_warps", "num_stages"}
-    assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
+    if fp8:
+        assert kw["PAGES_BF16"] is False  # fp8 pages, for either kernel
 
 
 @pytest.mark.parametrize("heads, fp8, cluster, want", [
@@ -381,12 +405,12 @@ def test_sm90_cluster_dispatch(monkeypatch, device, heads, fp8, cluster, want):
     gen = torch.Generator().manual_seed(7)
     built = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(2, heads, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     monkeypatch.setattr(sl, "_cluster_failures", [])
     monkeypatch.setattr(sl, "_launch_cluster", fake_cluster)
-    cfg = KernelConfig(64, 64, 2, 8, 1, sm90=True, sm90_cluster=cluster)
+    cfg = KernelConfig(64, 64, 2, 8, 1, sm90=True, sm90_cluster=cluster, sm90_dual_producer=False)
     for _ in range(2):
         launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, heads, device=device), None, 2,
                config=cfg)
@@ -428,13 +452,13 @@ def test_cluster_failure_falls_back_to_two_ctas(monkeypatch, device, fails):
     gen = torch.Generator().manual_seed(8)
     built = [build_set(SetSpec("indices", True, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(2, 128, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     monkeypatch.setattr(sl, "_cluster_failures", [])
     monkeypatch.setattr(sl, "_cluster_kernel", broken)
     monkeypatch.setattr(sl, "_bound_values", lambda kernel, args, consts: list(args))
-    cfg = KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_cluster=True)
+    cfg = KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_cluster=True, sm90_dual_producer=False)
     with pytest.warns(RuntimeWarning, match="two CTAs per token"):
         launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
                config=cfg)
@@ -482,11 +506,12 @@ def test_sm90_producer_loads_ahead_only_for_long_splits(monkeypatch, device, for
     gen = torch.Generator().manual_seed(6)
     built = [build_set(SetSpec(form, True, 16, width), 2, [0, 0], SMALL_LAYOUT, gen, device)]
     q = torch.randn(2, 64, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     launch(q, [built[0].cset], 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, splits,
-           config=KernelConfig(64, 64, splits, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks))
+           config=KernelConfig(64, 64, splits, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks,
+                               sm90_dual_producer=False))
     assert [kw["PIPE"] for kw in seen] == [ahead]
 
 
@@ -509,12 +534,12 @@ def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, s
     gen = torch.Generator().manual_seed(9)
     sets = [build_set(SetSpec(f, True, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset for f in forms]
     q = torch.randn(2, 64, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1,
            config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=min_chunks,
-                               sm90_merge_sets=switch))
+                               sm90_merge_sets=switch, sm90_dual_producer=False))
     assert [(kw["PIPE"], kw["MERGE"]) for kw in seen] == [(min_chunks == 0, merged)]
 
 
@@ -536,7 +561,7 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
     gen = torch.Generator().manual_seed(11)
     sets = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset]
     q = torch.randn(2, 128, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w: (_Ok(), 4))
+    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
     monkeypatch.setattr(sl, "_launch_cluster", lambda *a: pytest.fail("the cluster launch was chosen"))
@@ -546,10 +571,40 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
     assert [(kw["DUAL"], kw["PIPE"]) for kw in seen] == [want]
 
 
+@pytest.mark.parametrize("fp8, ws, switch, want", [
+    (False, True, True, True), (False, True, False, False), (False, False, True, False), (True, True, True, False),
+])
+def test_sm90_qreg_dispatch(monkeypatch, device, fp8, ws, switch, want):
+    """Dispatch: the q-in-registers kernel runs on bf16 pages when ``sm90_bf16_qreg`` is on and
+    the warp-specialised kernel would run there; never on fp8 pages."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    asked = []
+
+    class _Ok:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    def pick(w, qreg=False):
+        asked.append(qreg)
+        return _Ok(), 4
+
+    gen = torch.Generator().manual_seed(13)
+    sets = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset]
+    q = torch.randn(2, 64, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
+    monkeypatch.setattr(sl, "_sm90_kernel", pick)
+    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
+    monkeypatch.setattr(sl, "_sm90_failures", [])
+    launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1,
+           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=ws, sm90_ws_bf16=ws, sm90_bf16_qreg=switch))
+    assert asked == [want]
+
+
 @needs_hopper
 @pytest.mark.parametrize("dq_bits", [True, False], ids=["bit-moves", "fp32-chain"])
-@pytest.mark.parametrize("min_chunks", [10**9, 0], ids=["plain-producer", "loads-ahead-producer"])
-def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dq_bits):
+@pytest.mark.parametrize("min_chunks, dual", [(10**9, False), (0, False), (10**9, True)],
+                         ids=["plain-producer", "loads-ahead-producer", "dual-producer"])
+def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dual, dq_bits):
     """The warp-specialised kernel's fp8 -> bf16 step, isolated, in both fp8 producers (the
     plain one and the one whose loads run ahead; one candidate per token alone would pick the
     plain one) and both decodes: integer moves and bf16x2 multiplies (the default), or the
@@ -589,7 +644,7 @@ def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dq_bits):
     q = torch.zeros(rows, 64, lay.head_dim, dtype=torch.bfloat16, device=device)
     base = kernel_config(rows, 64, lay.head_dim, 1, device, 1)
     cfg = dataclasses.replace(base, sm90=True, sm90_ws=True, sm90_pipe_min_chunks=min_chunks,
-                              sm90_dequant_bits=dq_bits)
+                              sm90_dequant_bits=dq_bits, sm90_dual_producer=dual)
     assert uses_sm90(cfg, [cset], lay)
     out = torch.empty_like(q)
     lse = torch.empty(rows, 64, dtype=torch.float32, device=device)

@@ -96,6 +96,12 @@ class KernelConfig:
     #: the producers' loads are never carried ahead (``sm90_pipe_min_chunks`` and
     #: ``sm90_merge_sets`` do not apply; neither does ``sm90_cluster``).
     sm90_dual_producer: bool = False
+    #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
+    #: warpgroup 0 holds q in registers, computes the logits and the softmax and copies the rows
+    #: into three K stages; two other warpgroups each multiply half of ``P V``) instead of the
+    #: warp-specialised one. Same products in the same order, so bit-identical to it, but 12-17%
+    #: slower on FlashMLA's prefill rows on an H100 (docs/benchmarks.md, Table 54): off.
+    sm90_bf16_qreg: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -376,9 +382,12 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
         ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
-        kernel, warps = _sm90_kernel(ws)
+        qreg = ws and not a.is_fp8 and cfg.sm90_bf16_qreg
+        kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
-        if ws:
+        if qreg:
+            extra = {}
+        elif ws:
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe, DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
@@ -387,7 +396,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                       WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                       A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
-                      PAGES_BF16=not a.is_fp8, **extra)
+                      **({} if qreg else dict(PAGES_BF16=not a.is_fp8)), **extra)
         try:
             if (ws and a.is_fp8 and cfg.sm90_cluster and not dual and _cdiv(num_heads, cfg.block_h) == 2
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
@@ -525,9 +534,13 @@ def _pipe_worth_it(sets: Sequence[CandidateSet], cfg: KernelConfig) -> bool:
     return chunks >= cfg.sm90_pipe_min_chunks * cfg.num_splits
 
 
-def _sm90_kernel(ws: bool):
-    """The Gluon sm90 kernel (``ws``: its warp-specialised fp8 variant) and the warp count it
-    is launched with (imported on first use)."""
+def _sm90_kernel(ws: bool, qreg: bool = False):
+    """The Gluon sm90 kernel (``ws``: the warp-specialised one; ``qreg``: the q-in-registers one
+    of bf16 pages) and the warp count it is launched with (imported on first use)."""
+    if qreg:
+        from dsv4attn.kernels import sparse_attn_sm90_qreg as mq
+
+        return mq._sparse_mla_attn_sm90_qreg_kernel, mq.NUM_WARPS
     if ws:
         from dsv4attn.kernels import sparse_attn_sm90_ws as m
 
