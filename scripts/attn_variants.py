@@ -34,11 +34,11 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
-    ("ws, dual producer", dict(sm90_dual_producer=True)),
-    ("ws, merged sets", dict(sm90_merge_sets=True)),
-    ("ws, loads not ahead", dict(sm90_pipe_min_chunks=10**9)),
-    ("ws, h128 cluster", dict(sm90_cluster=True)),
-    ("ws, h128 cluster, not ahead", dict(sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
+    ("ws, one producer", dict(sm90_dual_producer=False)),
+    ("ws, one producer, merged", dict(sm90_dual_producer=False, sm90_merge_sets=True)),
+    ("ws, one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
+    ("ws, h128 cluster", dict(sm90_dual_producer=False, sm90_cluster=True)),
+    ("ws, h128 cluster, not ahead", dict(sm90_dual_producer=False, sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
     ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),

@@ -93,9 +93,11 @@ class KernelConfig:
     #: loading and dequantising half of every chunk, instead of one that does all of it: twice the
     #: warps to hide the gathers' latency behind each other's dequantisation. Each consumer's half
     #: of O is then two 64 x 128 accumulators (a 16-warp kernel cannot hold a 64 x 256 one), and
-    #: the producers' loads are never carried ahead (``sm90_pipe_min_chunks`` and
-    #: ``sm90_merge_sets`` do not apply; neither does ``sm90_cluster``).
-    sm90_dual_producer: bool = False
+    #: the producers' loads are never carried ahead: ``sm90_pipe_min_chunks``, ``sm90_merge_sets``
+    #: and ``sm90_cluster`` apply to the one-producer kernel (False) only. Bit-identical to it,
+    #: 3-5% faster on the decode rows on an H100 (docs/benchmarks.md, Tables 53-54), and the
+    #: attention suites pass with it in every dispatch: the default.
+    sm90_dual_producer: bool = True
     #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
     #: warpgroup 0 holds q in registers, computes the logits and the softmax and copies the rows
     #: into three K stages; two other warpgroups each multiply half of ``P V``) instead of the
