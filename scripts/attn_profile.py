@@ -3,7 +3,9 @@
     ncu -k regex:sparse_mla_attn --launch-skip 2 -c 1 --section WarpStateStats \\
         python3 -m scripts.attn_profile --heads 64 --batch 256
 
-Same inputs as ``scripts/attn_variants.py`` (512 + 128 fp8 candidates per token, sink).
+Same inputs as ``scripts/attn_variants.py``: decode, 512 + 128 fp8 candidates per token, sink;
+with ``--prefill TOPK``, its prefill rows instead (``--batch`` query tokens, bf16 pages of 16384
+rows, one indices-form set of TOPK rows per token, sink).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 
 from benchmarks.bench_vs_flashmla import SCALE, D
 from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
-from scripts.attn_variants import sets_for
+from dsv4attn.ops.candidate_set import CandidateSet
+from scripts.attn_variants import prefill_inputs, sets_for
 
 
 def main() -> None:
@@ -26,15 +29,21 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--skip", type=int, default=0, help="sm90 kernel parts to skip (KernelConfig.sm90_skip)")
     ap.add_argument("--config", default="", help="KernelConfig fields to change, e.g. sm90_cluster=True")
+    ap.add_argument("--prefill", type=int, default=0, metavar="TOPK", help="the prefill rows' inputs (bf16 pages)")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    sets = sets_for(a.batch, gen)
-    sink = torch.randn(a.heads, device="cuda", generator=gen)
+    if a.prefill:
+        kv, idx, q, sink, lengths = prefill_inputs(a.batch, a.heads, a.prefill, gen)
+        sets = [CandidateSet(cache=kv, lengths=lengths, indices=idx)]
+    else:
+        q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        sets = sets_for(a.batch, gen)
+        sink = torch.randn(a.heads, device="cuda", generator=gen)
     out = torch.empty_like(q)
     lse = torch.empty(a.batch, a.heads, device="cuda")
     over = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in a.config.split(",") if kv)}
-    cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, 640, q.device), sm90_skip=a.skip, **over)
+    width = a.prefill or 640
+    cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, width, q.device), sm90_skip=a.skip, **over)
     for _ in range(a.launches):
         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
     torch.cuda.synchronize()

@@ -66,19 +66,27 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
     return out
 
 
+def prefill_inputs(s_q: int, h: int, topk: int, gen: torch.Generator, s_kv: int = 16384):
+    """The prefill rows' inputs: bf16 pages of ``s_kv`` rows (pages of ``BLOCK``), q [s_q, h, D]
+    bf16, one indices-form set of ``topk`` distinct rows per token (int32 [s_q, topk]), the
+    lengths and a sink [h]."""
+    kv = torch.randn(s_kv // BLOCK, BLOCK, D, device="cuda", generator=gen).to(torch.bfloat16)
+    idx = torch.rand(s_q, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)
+    q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, device="cuda", generator=gen)
+    lengths = torch.full((s_q,), topk, dtype=torch.int32, device="cuda")
+    return kv, idx, q, sink, lengths
+
+
 def prefill_variants() -> None:
     """Prefill rows of benchmarks/bench_vs_flashmla.py (4096 query tokens, one indices-form set of
     top-k rows out of 16384, sink) on bf16 pages (FlashMLA's ``flash_mla_sparse_fwd`` input) and
     the same rows as fp8 pages: the warp-specialised kernel against the single-partition one."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    s_q, s_kv = 4096, 16384
+    s_q = 4096
     for h in (64, 128):
         for topk in (512, 2048):
-            kv = torch.randn(s_kv // BLOCK, BLOCK, D, device="cuda", generator=gen).to(torch.bfloat16)
-            idx = torch.rand(s_q, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)
-            q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-            sink = torch.randn(h, device="cuda", generator=gen)
-            lengths = torch.full((s_q,), topk, dtype=torch.int32, device="cuda")
+            kv, idx, q, sink, lengths = prefill_inputs(s_q, h, topk, gen)
             pages = {"bf16": kv} if "--bf16" in sys.argv else {"bf16": kv, "fp8": quantize_fp8_ds_mla(kv)}
             for kind, cache in pages.items():
                 sets = [CandidateSet(cache=cache, lengths=lengths, indices=idx)]
