@@ -18,7 +18,9 @@ Warpgroup 0 never multiplies ``P V``, so the logits of chunk c+1 start as soon a
 chunk c is handed over and run on the tensor cores next to chunk c's ``P V``; in the
 warp-specialised kernel warpgroup 0 waits for its own half of ``P V`` before the next logits.
 Invalid candidates are never read (``cp.async`` zero-fills them) and get -inf logits from the
-per-chunk validity vector, as in every kernel of the library.
+per-chunk validity vector, as in every kernel of the library. Bit-identical to the
+warp-specialised kernel, but measured 12-23% slower on an H100 (docs/benchmarks.md, Tables
+54-55), so the launcher runs it only with ``KernelConfig.sm90_bf16_qreg``.
 """
 
 from __future__ import annotations
