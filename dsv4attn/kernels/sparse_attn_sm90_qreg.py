@@ -138,18 +138,13 @@ def _s_wg(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_tail, k_bufs, 
                 a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req, a_block_size,
                 b_idx_ptr, b_stride_idx, b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, b_block_size,
                 A_RANGE, HAS_B, B_RANGE)
-    if n > 0:
-        _copy_chunk(x0, 0, n_a, k_bufs.index(0), valid_bufs.index(0), split, num_splits,
-                    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
-                    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                    A_RANGE, HAS_B, B_RANGE)
-    cp.commit_group()
-    if n > 1:
-        _copy_chunk(x1, 1, n_a, k_bufs.index(1), valid_bufs.index(1), split, num_splits,
-                    a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
-                    b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                    A_RANGE, HAS_B, B_RANGE)
-    cp.commit_group()
+    for g0 in gl.static_range(2):
+        if g0 < n:
+            _copy_chunk(x0 if g0 == 0 else x1, g0, n_a, k_bufs.index(g0), valid_bufs.index(g0), split, num_splits,
+                        a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
+                        b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
+                        A_RANGE, HAS_B, B_RANGE)
+        cp.commit_group()
     # q: dims 0-383 through stage 2 (free until chunk 2's copies) into registers (two tensors:
     # register tensors have power-of-two shapes), dims 384-511 into a shared buffer of their own.
     hq = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q4_L))
