@@ -37,7 +37,8 @@ from dsv4attn.kernels.sparse_attn_sm90 import (
     BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, VEC_SMEM, _async_load, _cta_barrier, _extent,
 )
 from dsv4attn.kernels.sparse_attn_sm90_ws import (
-    HALF_V, KB4_L, O4_L, Q4_L, ROW_O, S4_L, _chunk_rows, _n_mine, _n_total, _row_stats, _store_half_o,
+    HALF_V, KB4_L, O4_L, Q4_L, ROW_O, S4_L, _chunk_rows, _n_mine, _n_total, _row_stats,
+    _softmax_step, _store_half_o,
 )
 
 #: Warps of the default partition (warpgroup 0); the two P V warpgroups run on top with these
@@ -73,6 +74,14 @@ def _lookup(t, g, n_a, split, num_splits,
 
 
 @gluon.jit
+def _bf16_row_place(x, j, start, block_size, capacity, stride_blk, stride_entry, IS_RANGE: gl.constexpr):
+    """Element offsets in a bf16 cache of candidates ``j``'s rows (from their slot lookups
+    ``x``) and their validity: the row formula of :func:`_copy_chunk`'s three cases."""
+    blk, off, valid = _candidate_place(x, j, start, block_size, capacity, IS_RANGE)
+    return blk * stride_blk + off * stride_entry, valid
+
+
+@gluon.jit
 def _copy_chunk(x, g, n_a, k_buf, valid_buf, split, num_splits,
                 a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
                 b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
@@ -81,19 +90,16 @@ def _copy_chunk(x, g, n_a, k_buf, valid_buf, split, num_splits,
     (invalid candidates zero-filled, never read) and store its validity vector."""
     if HAS_B:
         if g < n_a:
-            blk, off, valid = _candidate_place(x, _chunk_rows(g, split, num_splits), a_start, a_block_size,
-                                               a_capacity, A_RANGE)
-            rows = blk * a_stride_blk + off * a_stride_entry
+            rows, valid = _bf16_row_place(x, _chunk_rows(g, split, num_splits), a_start, a_block_size, a_capacity,
+                                          a_stride_blk, a_stride_entry, A_RANGE)
             base = a_cache_ptr
         else:
-            blk, off, valid = _candidate_place(x, _chunk_rows(g - n_a, split, num_splits), b_start, b_block_size,
-                                               b_capacity, B_RANGE)
-            rows = blk * b_stride_blk + off * b_stride_entry
+            rows, valid = _bf16_row_place(x, _chunk_rows(g - n_a, split, num_splits), b_start, b_block_size,
+                                          b_capacity, b_stride_blk, b_stride_entry, B_RANGE)
             base = b_cache_ptr
     else:
-        blk, off, valid = _candidate_place(x, _chunk_rows(g, split, num_splits), a_start, a_block_size, a_capacity,
-                                           A_RANGE)
-        rows = blk * a_stride_blk + off * a_stride_entry
+        rows, valid = _bf16_row_place(x, _chunk_rows(g, split, num_splits), a_start, a_block_size, a_capacity,
+                                      a_stride_blk, a_stride_entry, A_RANGE)
         base = a_cache_ptr
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
     _async_load(k_buf, base + gl.expand_dims(rows, 1) + d, mask=gl.expand_dims(valid, 1))
@@ -176,14 +182,7 @@ def _s_wg(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_tail, k_bufs, 
         s = warpgroup_mma(q_b, k_cur.slice(256, 128, dim=1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(q_tail, k_cur.slice(384, 128, dim=1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
-        s = gl.where(ok, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(st), qk_scale, m_i, l_i)
         pb = c % 2
         mbarrier.wait(p_free.index(pb), ((c // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         p_bufs.index(pb).store(p.to(gl.bfloat16))

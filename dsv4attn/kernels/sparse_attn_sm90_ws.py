@@ -955,6 +955,21 @@ def _row_stats(m_i, l_i, h, t64, split, num_heads, lse_ptr, stride_lse_t, max_pt
 
 
 @gluon.jit
+def _softmax_step(s, valid_buf, qk_scale, m_i, l_i):
+    """One chunk of the online softmax (base 2) on the logits ``s`` [64, 64] (S4_L): invalid
+    candidates (``valid_buf`` 0) get -inf; returns P (fp32), each row's rescale factor for what
+    came before, and the new row max and sum (a row with nothing valid yet keeps max -inf and
+    sum 0)."""
+    ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S4_L)) != 0, 0)
+    s = gl.where(ok, s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
               peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
@@ -974,14 +989,7 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             q_cur = q_all.index(0)
         s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
                           use_acc=False)
-        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
-        s = gl.where(ok, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(st), qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         pa = gl.convert_layout(p16, P_A)
@@ -1011,14 +1019,7 @@ def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bu
         k_cur = k_bufs.index(st)
         s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
                           use_acc=False)
-        ok = gl.expand_dims(valid_bufs.index(st).load(gl.SliceLayout(0, S4_L)) != 0, 0)
-        s = gl.where(ok, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(st), qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
         o0 = o0 * a2
