@@ -387,18 +387,19 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         qreg = ws and not a.is_fp8 and cfg.sm90_bf16_qreg
         kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
-        if qreg:
+        if qreg:  # bf16 pages only: no page-kind or producer constexprs
             extra = {}
         elif ws:
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
-            extra = dict(PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe, DQ_BITS=cfg.sm90_dequant_bits,
+            extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
+                         DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
-            extra = dict(SKIP=cfg.sm90_skip)
+            extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
                       WRITE_PARTIAL=total > 1, OUT_BF16=out.dtype == torch.bfloat16,
                       A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
-                      **({} if qreg else dict(PAGES_BF16=not a.is_fp8)), **extra)
+                      **extra)
         try:
             if (ws and a.is_fp8 and cfg.sm90_cluster and not dual and _cdiv(num_heads, cfg.block_h) == 2
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
