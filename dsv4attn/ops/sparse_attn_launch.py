@@ -99,10 +99,11 @@ class KernelConfig:
     #: attention suites pass with it in every dispatch: the default.
     sm90_dual_producer: bool = True
     #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
-    #: warpgroup 0 holds q in registers, computes the logits and the softmax and copies the rows
-    #: into three K stages; two other warpgroups each multiply half of ``P V``) instead of the
-    #: warp-specialised one. Same products in the same order, so bit-identical to it, but 12-17%
-    #: slower on FlashMLA's prefill rows on an H100 (docs/benchmarks.md, Table 54): off.
+    #: warpgroup 0 holds q in registers and computes the logits one chunk ahead of the softmax;
+    #: two other warpgroups each multiply half of ``P V`` and copy half the rows into three K
+    #: stages) instead of the warp-specialised one. Same products in the same order, so
+    #: bit-identical to it. On an H100 4-8% faster at 8 chunks per CTA on pages of 64 rows, 1-6%
+    #: slower at 32, and 6-10% slower on FlashMLA's prefill rows (docs/benchmarks.md, Table 56): off.
     sm90_bf16_qreg: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
