@@ -5,7 +5,8 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 :class:`dsv4attn.ops.sparse_attn_launch.KernelConfig` values launched through ``launch``. Also prints
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
-    python3 -m scripts.attn_variants [--skips] [--quick] [--prefill [--bf16] [--no-single]] [--decode-sweep] [--h128]
+    python3 -m scripts.attn_variants [--skips] [--quick] [--decode-sweep] [--h128]
+    python3 -m scripts.attn_variants --prefill [--bf16] [--no-single] [--rows-per-block N] [--max-logits]
 
 (from the repository root; graph replays)
 """
@@ -66,11 +67,12 @@ def sets_for(b: int, gen) -> list[CandidateSet]:
     return out
 
 
-def prefill_inputs(s_q: int, h: int, topk: int, gen: torch.Generator, s_kv: int = 16384):
-    """The prefill rows' inputs: bf16 pages of ``s_kv`` rows (pages of ``BLOCK``), q [s_q, h, D]
+def prefill_inputs(s_q: int, h: int, topk: int, gen: torch.Generator, s_kv: int = 16384, rows_per_block: int = BLOCK):
+    """The prefill rows' inputs: bf16 pages of ``s_kv`` rows (``rows_per_block`` rows a page;
+    FlashMLA's prefill layout, as the bench passes it, has 1), q [s_q, h, D]
     bf16, one indices-form set of ``topk`` distinct rows per token (int32 [s_q, topk]), the
     lengths and a sink [h]."""
-    kv = torch.randn(s_kv // BLOCK, BLOCK, D, device="cuda", generator=gen).to(torch.bfloat16)
+    kv = torch.randn(s_kv // rows_per_block, rows_per_block, D, device="cuda", generator=gen).to(torch.bfloat16)
     idx = torch.rand(s_q, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)
     q = (torch.randn(s_q, h, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     sink = torch.randn(h, device="cuda", generator=gen)
@@ -81,18 +83,23 @@ def prefill_inputs(s_q: int, h: int, topk: int, gen: torch.Generator, s_kv: int 
 def prefill_variants() -> None:
     """Prefill rows of benchmarks/bench_vs_flashmla.py (4096 query tokens, one indices-form set of
     top-k rows out of 16384, sink) on bf16 pages (FlashMLA's ``flash_mla_sparse_fwd`` input) and
-    the same rows as fp8 pages: the warp-specialised kernel against the single-partition one."""
+    the same rows as fp8 pages: the warp-specialised kernel against the single-partition one and
+    the q-in-registers one. ``--rows-per-block N``: pages of N rows (default 64; the bench's
+    bf16 rows have 1); ``--max-logits``: the kernels also write max logits, as
+    ``flash_mla_sparse_fwd`` asks."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s_q = 4096
+    rpb = int(sys.argv[sys.argv.index("--rows-per-block") + 1]) if "--rows-per-block" in sys.argv else BLOCK
     for h in (64, 128):
         for topk in (512, 2048):
-            kv, idx, q, sink, lengths = prefill_inputs(s_q, h, topk, gen)
+            kv, idx, q, sink, lengths = prefill_inputs(s_q, h, topk, gen, rows_per_block=rpb)
             pages = {"bf16": kv} if "--bf16" in sys.argv else {"bf16": kv, "fp8": quantize_fp8_ds_mla(kv)}
             for kind, cache in pages.items():
                 sets = [CandidateSet(cache=cache, lengths=lengths, indices=idx)]
                 base = kernel_config(s_q, h, D, topk, q.device)
                 out = torch.empty_like(q)
                 lse = torch.empty(s_q, h, device="cuda")
+                mx = torch.empty(s_q, h, device="cuda") if "--max-logits" in sys.argv else None
                 ref = None
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
                                     ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
@@ -104,12 +111,13 @@ def prefill_variants() -> None:
                         continue
                     cfg = dataclasses.replace(base, **over)
                     try:
-                        launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
+                        launch(q, sets, SCALE, sink, out, lse, mx, None, cfg)
                         if ref is None:
                             ref = (out.float().clone(), lse.clone())
                         d_o = (out.float() - ref[0]).abs().max().item()
                         d_l = (lse - ref[1]).abs().max().item()
-                        us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, None, None, cfg), warmup_ms=5, rep_ms=30)
+                        us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, mx, None, cfg), warmup_ms=5,
+                                      rep_ms=30)
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
                               flush=True)
