@@ -20,8 +20,8 @@ Same grid, arguments and outputs as
 
 Invalid candidates are never read (``cp.async`` zero-fills them) and get -inf logits from the
 per-chunk validity vector, as in every kernel of the library. Bit-identical to the
-warp-specialised kernel. On an H100 (docs/benchmarks.md, Table 56) it is 4-8% faster than that
-kernel at 8 chunks per CTA on pages of 64 rows and 1-6% slower at 32, and 6-10% slower on
+warp-specialised kernel. On an H100 (docs/benchmarks.md, Tables 56-57) it is 3-8% faster than that
+kernel at 8 chunks per CTA on pages of 64 rows and 1-6% slower at 32, and 5-10% slower on
 FlashMLA's prefill rows (pages of one row), so the launcher runs it only with
 ``KernelConfig.sm90_bf16_qreg``.
 """

@@ -102,8 +102,8 @@ class KernelConfig:
     #: warpgroup 0 holds q in registers and computes the logits one chunk ahead of the softmax;
     #: two other warpgroups each multiply half of ``P V`` and copy half the rows into three K
     #: stages) instead of the warp-specialised one. Same products in the same order, so
-    #: bit-identical to it. On an H100 4-8% faster at 8 chunks per CTA on pages of 64 rows, 1-6%
-    #: slower at 32, and 6-10% slower on FlashMLA's prefill rows (docs/benchmarks.md, Table 56): off.
+    #: bit-identical to it. On an H100 3-8% faster at 8 chunks per CTA on pages of 64 rows, 1-6%
+    #: slower at 32, and 5-10% slower on FlashMLA's prefill rows (docs/benchmarks.md, Tables 56-57): off.
     sm90_bf16_qreg: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
