@@ -215,11 +215,15 @@ def test_sm90_qreg_is_bit_identical(case, max_logits):
     registers, three K stages, both halves of ``P V`` on two other warpgroups) computes the same
     products in the same order as the warp-specialised kernel: the logits over the 512 dims in
     one accumulation, P rounded to bf16 once, each output column's ``P V`` from the same P. So
-    out, lse and max logits are bit-identical, and match the fp64 oracle."""
+    out, lse and max logits are bit-identical, and match the fp64 oracle. The same for its copies
+    by columns (``sm90_qreg_col_copies``): the same rows land in the same stages."""
     if max_logits and case[4] > 1:
         pytest.skip("max logits are produced without split-KV only")
     _assert_variants_bit_identical(case, {"warp-specialised": dict(sm90_bf16_qreg=False),
-                                          "q in registers": dict(sm90_bf16_qreg=True)}, max_logits)
+                                          "q in registers": dict(sm90_bf16_qreg=True),
+                                          "q in registers, copies by columns": dict(sm90_bf16_qreg=True,
+                                                                                    sm90_qreg_col_copies=True)},
+                                   max_logits)
 
 
 @needs_hopper
@@ -576,14 +580,16 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
 ])
 def test_sm90_qreg_dispatch(monkeypatch, device, fp8, ws, switch, want):
     """Dispatch: the q-in-registers kernel runs on bf16 pages when ``sm90_bf16_qreg`` is on and
-    the warp-specialised kernel would run there; never on fp8 pages."""
+    the warp-specialised kernel would run there; never on fp8 pages. It copies by columns
+    exactly when ``sm90_qreg_col_copies`` says so."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     asked = []
+    consts = []
 
     class _Ok:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: consts.append(kwargs)
 
     def pick(w, qreg=False):
         asked.append(qreg)
@@ -595,9 +601,12 @@ def test_sm90_qreg_dispatch(monkeypatch, device, fp8, ws, switch, want):
     monkeypatch.setattr(sl, "_sm90_kernel", pick)
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
-    launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1,
-           config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=ws, sm90_ws_bf16=ws, sm90_bf16_qreg=switch))
-    assert asked == [want]
+    for cols in (False, True):
+        launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1,
+               config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_ws=ws, sm90_ws_bf16=ws, sm90_bf16_qreg=switch,
+                                   sm90_qreg_col_copies=cols))
+    assert asked == [want, want]
+    assert [kw.get("COL_COPIES") for kw in consts] == ([False, True] if want else [None, None])
 
 
 @needs_hopper

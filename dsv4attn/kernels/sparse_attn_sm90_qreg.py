@@ -51,36 +51,47 @@ NUM_WARPS = 4
 PV_REGS = gl.constexpr(160)
 #: K stages [64, 512] bf16 (64 KiB each).
 STAGES = gl.constexpr(3)
-#: Rows of each chunk that one P V warpgroup copies.
+#: Rows of each chunk that one P V warpgroup copies (all 512 columns of them).
 ROWS = gl.constexpr(32)
+#: ``COL_COPIES``: each P V warpgroup copies its own 256 columns of all 64 rows instead, in this
+#: layout of [64, 256] (a warp covers 4 rows x 64 columns, 128 contiguous bytes of a row per 8
+#: lanes; each thread 4 rows x 4 vectors of 16 bytes).
+CB_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+CB_ROW = gl.constexpr(gl.SliceLayout(1, CB_L))
 #: q dims 0-383 as the A operand of the logits product (registers; dims 384-511 are read from a
 #: shared buffer of their own: all 512 in registers spill next to the logits in 184 registers).
 Q_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S4_L, k_width=2))
 
 
 @gluon.jit
-def _half_chunk_rows(g, W: gl.constexpr, split, num_splits):
-    """Candidate positions of rows ``32 W ..`` of this split's chunk ``g`` (chunk ``split + g *
-    num_splits``)."""
-    return (split + g * num_splits) * BLOCK_N + W * ROWS + gl.arange(0, ROWS, layout=KB4_ROW)
+def _half_chunk_rows(g, W: gl.constexpr, split, num_splits, COLS: gl.constexpr):
+    """Candidate positions of the rows of this split's chunk ``g`` (chunk ``split + g *
+    num_splits``) that P V warpgroup ``W`` copies: rows ``32 W ..``, or with ``COLS`` all 64."""
+    if COLS:
+        rows = (split + g * num_splits) * BLOCK_N + gl.arange(0, BLOCK_N, layout=CB_ROW)
+    else:
+        rows = (split + g * num_splits) * BLOCK_N + W * ROWS + gl.arange(0, ROWS, layout=KB4_ROW)
+    return rows
 
 
 @gluon.jit
 def _lookup(t, g, n_a, split, num_splits,
             a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req, a_block_size,
             b_idx_ptr, b_stride_idx, b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, b_block_size,
-            W: gl.constexpr, A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr):
-    """Slot-lookup reads of rows ``32 W ..`` of the split's chunk ``g`` over both sets (set A's
-    ``n_a`` chunks first); past the last chunk every row is invalid (no read)."""
+            W: gl.constexpr, A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+            COLS: gl.constexpr):
+    """Slot-lookup reads of warpgroup ``W``'s rows (:func:`_half_chunk_rows`) of the split's chunk
+    ``g`` over both sets (set A's ``n_a`` chunks first); past the last chunk every row is invalid
+    (no read)."""
     if HAS_B:
         if g < n_a:
-            x = _candidate_entry(t, _half_chunk_rows(g, W, split, num_splits), a_idx_ptr, a_stride_idx, a_length,
+            x = _candidate_entry(t, _half_chunk_rows(g, W, split, num_splits, COLS), a_idx_ptr, a_stride_idx, a_length,
                                  a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req, a_block_size, A_RANGE)
         else:
-            x = _candidate_entry(t, _half_chunk_rows(g - n_a, W, split, num_splits), b_idx_ptr, b_stride_idx,
+            x = _candidate_entry(t, _half_chunk_rows(g - n_a, W, split, num_splits, COLS), b_idx_ptr, b_stride_idx,
                                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, b_block_size, B_RANGE)
     else:
-        x = _candidate_entry(t, _half_chunk_rows(g, W, split, num_splits), a_idx_ptr, a_stride_idx, a_length,
+        x = _candidate_entry(t, _half_chunk_rows(g, W, split, num_splits, COLS), a_idx_ptr, a_stride_idx, a_length,
                              a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req, a_block_size, A_RANGE)
     return x
 
@@ -97,26 +108,36 @@ def _bf16_row_place(x, j, start, block_size, capacity, stride_blk, stride_entry,
 def _copy_half(x, g, n_a, k_buf, valid_buf, split, num_splits,
                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
                b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-               W: gl.constexpr, A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr):
-    """Issue the ``cp.async`` copies of rows ``32 W ..`` of chunk ``g`` (``x``: their lookups)
-    into those rows of ``k_buf`` (invalid candidates zero-filled, never read) and store their
-    validity."""
+               W: gl.constexpr, A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
+               COLS: gl.constexpr):
+    """Issue the ``cp.async`` copies of warpgroup ``W``'s part of chunk ``g`` (``x``: its rows'
+    lookups) into ``k_buf`` (invalid candidates zero-filled, never read) and store their
+    validity: rows ``32 W ..``, or with ``COLS`` columns ``256 W ..`` of all rows (warpgroup 0
+    stores the validity)."""
     if HAS_B:
         if g < n_a:
-            rows, valid = _bf16_row_place(x, _half_chunk_rows(g, W, split, num_splits), a_start, a_block_size,
+            rows, valid = _bf16_row_place(x, _half_chunk_rows(g, W, split, num_splits, COLS), a_start, a_block_size,
                                           a_capacity, a_stride_blk, a_stride_entry, A_RANGE)
             base = a_cache_ptr
         else:
-            rows, valid = _bf16_row_place(x, _half_chunk_rows(g - n_a, W, split, num_splits), b_start, b_block_size,
+            rows, valid = _bf16_row_place(x, _half_chunk_rows(g - n_a, W, split, num_splits, COLS), b_start, b_block_size,
                                           b_capacity, b_stride_blk, b_stride_entry, B_RANGE)
             base = b_cache_ptr
     else:
-        rows, valid = _bf16_row_place(x, _half_chunk_rows(g, W, split, num_splits), a_start, a_block_size,
+        rows, valid = _bf16_row_place(x, _half_chunk_rows(g, W, split, num_splits, COLS), a_start, a_block_size,
                                       a_capacity, a_stride_blk, a_stride_entry, A_RANGE)
         base = a_cache_ptr
-    d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
-    _async_load(k_buf.slice(W * ROWS, ROWS, dim=0), base + gl.expand_dims(rows, 1) + d, mask=gl.expand_dims(valid, 1))
-    valid_buf.slice(W * ROWS, ROWS, dim=0).store(valid.to(gl.int8))
+    if COLS:
+        d = W * HALF_V + gl.expand_dims(gl.arange(0, HALF_V, layout=gl.SliceLayout(0, CB_L)), 0)
+        _async_load(k_buf.slice(W * HALF_V, HALF_V, dim=1), base + gl.expand_dims(rows, 1) + d,
+                    mask=gl.expand_dims(valid, 1))
+        if W == 0:
+            valid_buf.store(valid.to(gl.int8))
+    else:
+        d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
+        _async_load(k_buf.slice(W * ROWS, ROWS, dim=0), base + gl.expand_dims(rows, 1) + d,
+                    mask=gl.expand_dims(valid, 1))
+        valid_buf.slice(W * ROWS, ROWS, dim=0).store(valid.to(gl.int8))
 
 
 @gluon.jit
@@ -224,7 +245,8 @@ def _pv_wg(k_bufs, p_bufs, a_bufs, f_smem, valid_bufs, empty, full, q_done, p_re
            b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
            b_start_ptr,
            A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-           B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, W: gl.constexpr):
+           B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, COLS: gl.constexpr,
+           W: gl.constexpr):
     """P V warpgroup ``W``: V columns ``256 W ..`` of O from warpgroup 0's P and rescale
     factors, and the copies of rows ``32 W ..`` of every chunk, three chunks ahead: chunk c + 3
     goes into chunk c's stage once both P V warpgroups have multiplied chunk c (the full barrier
@@ -247,19 +269,19 @@ def _pv_wg(k_bufs, p_bufs, a_bufs, f_smem, valid_bufs, empty, full, q_done, p_re
         x = _lookup(t, g0, n_a, split, num_splits,
                     a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
                     a_block_size, b_idx_ptr, b_stride_idx, b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start,
-                    b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE)
+                    b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE, COLS)
         if g0 == 2:
             mbarrier.wait(q_done.index(0), 0)
         if g0 < n:
             _copy_half(x, g0, n_a, k_bufs.index(g0), valid_bufs.index(g0), split, num_splits,
                        a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
                        b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                       W, A_RANGE, HAS_B, B_RANGE)
+                       W, A_RANGE, HAS_B, B_RANGE, COLS)
             _copies_to(full.index(g0))
     x = _lookup(t, 3, n_a, split, num_splits,
                 a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
                 a_block_size, b_idx_ptr, b_stride_idx, b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start,
-                b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE)
+                b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE, COLS)
     o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
     for c in range(n):
         st = c % STAGES
@@ -270,20 +292,23 @@ def _pv_wg(k_bufs, p_bufs, a_bufs, f_smem, valid_bufs, empty, full, q_done, p_re
         o = warpgroup_mma(p_bufs.index(pb), k_bufs.index(st).slice(W * HALF_V, HALF_V, dim=1), o)
         _cta_barrier()
         mbarrier.arrive(p_free.index(pb))
-        mbarrier.arrive(empty.index(st))
-        # Chunk c + 3 into this stage once the other P V warpgroup has multiplied chunk c too.
+        if not COLS:
+            mbarrier.arrive(empty.index(st))
+        # Chunk c + 3 into this stage once the other P V warpgroup has multiplied chunk c too
+        # (with COLS, this warpgroup's columns are free as soon as it has).
         g = c + STAGES
         if g < n:
-            mbarrier.wait(empty.index(st), (c // STAGES) & 1)
+            if not COLS:
+                mbarrier.wait(empty.index(st), (c // STAGES) & 1)
             _copy_half(x, g, n_a, k_bufs.index(st), valid_bufs.index(st), split, num_splits,
                        a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_start,
                        b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_start,
-                       W, A_RANGE, HAS_B, B_RANGE)
+                       W, A_RANGE, HAS_B, B_RANGE, COLS)
             _copies_to(full.index(st))
         x = _lookup(t, c + STAGES + 1, n_a, split, num_splits,
                     a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
                     a_block_size, b_idx_ptr, b_stride_idx, b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start,
-                    b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE)
+                    b_req, b_block_size, W, A_RANGE, HAS_B, B_RANGE, COLS)
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O)
     _store_half_o(o, f, k_bufs.index(n % STAGES).slice(W * HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads,
@@ -306,7 +331,7 @@ def _sparse_mla_attn_sm90_qreg_kernel(
     num_heads, qk_scale, split_base, total_splits, num_splits,
     A_RANGE: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
     HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
-    A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False,
+    A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, COL_COPIES: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest; bf16 pages
     in both sets; launched with ``NUM_WARPS`` (4) warps, the two P V warpgroups on top."""
@@ -353,7 +378,7 @@ def _sparse_mla_attn_sm90_qreg_kernel(
                   b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                   b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                   b_req_ptr, b_start_ptr,
-                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, 0)),
+                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, COL_COPIES, 0)),
         (_pv_wg, (k_bufs, p_bufs, a_bufs, f_smem, valid_bufs, empty, full, q_done, p_ready, p_free, fin, t64, pid_h, t,
                   split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                   a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
@@ -362,5 +387,5 @@ def _sparse_mla_attn_sm90_qreg_kernel(
                   b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
                   b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                   b_req_ptr, b_start_ptr,
-                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, 1)),
+                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, COL_COPIES, 1)),
     ], [4, 4], [PV_REGS, PV_REGS])

@@ -105,6 +105,11 @@ class KernelConfig:
     #: bit-identical to it. On an H100 3-8% faster at 8 chunks per CTA on pages of 64 rows, 1-6%
     #: slower at 32, and 5-10% slower on FlashMLA's prefill rows (docs/benchmarks.md, Tables 56-57): off.
     sm90_bf16_qreg: bool = False
+    #: In the q-in-registers kernel, each ``P V`` warpgroup copies its own 256 columns of every
+    #: chunk's rows (refilled as soon as it has multiplied them) instead of half the rows of all
+    #: columns (refilled once both have). Built and compiled offline (Triton 3.6: no spills in
+    #: three of four variants), not yet run on a GPU: off (docs/design.md, "Twenty-second session").
+    sm90_qreg_col_copies: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -389,7 +394,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
         if qreg:  # bf16 pages only: no page-kind or producer constexprs
-            extra = {}
+            extra = dict(COL_COPIES=cfg.sm90_qreg_col_copies)
         elif ws:
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
