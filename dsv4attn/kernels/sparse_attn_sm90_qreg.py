@@ -16,7 +16,9 @@ Same grid, arguments and outputs as
   also copies half the rows of every chunk with ``cp.async``, chunk c+3 into chunk c's stage
   once both have multiplied chunk c. A stage's full barrier tracks the copies themselves
   (``cp.async.mbarrier.arrive``), so warpgroup 0 can start a chunk's logits as soon as its rows
-  have landed, wherever the copying warpgroups are in their loop.
+  have landed, wherever the copying warpgroups are in their loop. With ``COL_COPIES``
+  (``KernelConfig.sm90_qreg_col_copies``, compiled but not yet run on a GPU) each copies its
+  own 256 columns of every row instead, as soon as it has multiplied them.
 
 Invalid candidates are never read (``cp.async`` zero-fills them) and get -inf logits from the
 per-chunk validity vector, as in every kernel of the library. Bit-identical to the
