@@ -107,7 +107,7 @@ def prefill_variants() -> None:
                                     ("qreg, col copies", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_qreg=True,
                                                               sm90_qreg_col_copies=True)),
                                     ("ws fp32-chain dq", dict(sm90_ws=True, sm90_dequant_bits=False))):
-                    if label == "ws fp32-chain dq" if kind == "bf16" else label.startswith("q"):
+                    if (label == "ws fp32-chain dq") if kind == "bf16" else label.startswith("q"):  # qreg: bf16 only
                         continue
                     if label == "single-partition" and "--no-single" in sys.argv:  # |d| then vs the ws kernel
                         continue
