@@ -393,6 +393,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         qreg = ws and not a.is_fp8 and cfg.sm90_bf16_qreg
         kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
+        extra: dict[str, bool | int]  # each kernel's own constexprs
         if qreg:  # bf16 pages only: no page-kind or producer constexprs
             extra = dict(COL_COPIES=cfg.sm90_qreg_col_copies)
         elif ws:
