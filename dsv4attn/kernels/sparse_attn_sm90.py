@@ -368,6 +368,35 @@ def _sparse_mla_attn_sm90_kernel(
 
 
 @gluon.jit
+def _row_stats(m_i, l_i, h, t64, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_lse_ptr,
+               sink_ptr, split_base, total_splits, HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr,
+               WRITE_MAX: gl.constexpr):
+    """The end of a split's softmax for heads ``h`` (running max ``m_i`` and sum ``l_i``, base
+    2): writes the lse (natural log; +inf for a row with no valid candidate) and the max logits,
+    or the split-KV partial's base-2 lse (-inf when empty), and returns each row's output factor
+    (``1 / l``, with the sink's share taken out; 0 for an empty row)."""
+    h_ok = h < num_heads
+    hc = gl.where(h_ok, h, 0)
+    is_empty = l_i == 0.0
+    l_safe = gl.where(is_empty, 1.0, l_i)
+    lse2 = gl.where(is_empty, float("-inf"), m_i + gl.log2(l_safe))
+    f = 1.0 / l_safe
+    if WRITE_PARTIAL:
+        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
+        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
+    else:
+        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
+            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
+        f = gl.where(is_empty, 0.0, f)
+        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
+        if WRITE_MAX:
+            gl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
+    return f
+
+
+@gluon.jit
 def _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t,
               max_ptr, stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
               HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr):
@@ -375,32 +404,20 @@ def _epilogue(o, m_i, l_i, t64, pid_h, split, num_heads, out_ptr, stride_o_t, st
     (base 2) and the per-element row sums ``l_i`` [64, 64]: the split-KV partial (normalised O,
     base-2 lse) or the final output with the sink, lse (+inf for empty rows) and max logits."""
     # In O's layout (rows = heads).
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-    l_o = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, O_L))
     h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    f = _row_stats(gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                   gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, O_L)), h, t64, split, num_heads,
+                   lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_lse_ptr, sink_ptr, split_base, total_splits,
+                   HAS_SINK, WRITE_PARTIAL, WRITE_MAX)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_L))
     h_ok = h < num_heads
     hc = gl.where(h_ok, h, 0)
-    empty = l_o == 0.0
-    l_safe = gl.where(empty, 1.0, l_o)
-    lse2 = gl.where(empty, float("-inf"), m_o + gl.log2(l_safe))
     mask2 = gl.expand_dims(h_ok, 1)
+    res = o * gl.expand_dims(f, 1)
     if WRITE_PARTIAL:
         part_row = (t64 * total_splits + split_base + split) * num_heads + hc
-        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
-        res = o * gl.expand_dims(1.0 / l_safe, 1)
         gl.store(part_o_ptr + gl.expand_dims(part_row * HEAD_DIM, 1) + gl.expand_dims(d, 0), res, mask=mask2)
     else:
-        lse = gl.where(empty, float("inf"), lse2 * LN2)
-        f = 1.0 / l_safe
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            f = f / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse)))
-        f = gl.where(empty, 0.0, f)
-        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
-        if WRITE_MAX:  # the running max of the scaled logits (natural log units), -inf for empty rows
-            gl.store(max_ptr + t64 * stride_max_t + hc, m_o * LN2, mask=h_ok)
-        res = o * gl.expand_dims(f, 1)
         optr = out_ptr + t64 * stride_o_t + gl.expand_dims(hc * stride_o_h, 1) + gl.expand_dims(d, 0)
         if OUT_BF16:
             gl.store(optr, res.to(gl.bfloat16), mask=mask2)

@@ -39,10 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
-    BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, VEC_SMEM, _async_load, _cta_barrier, _extent,
+    BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, VEC_SMEM, _async_load, _cta_barrier, _extent, _row_stats,
 )
 from dsv4attn.kernels.sparse_attn_sm90_ws import (
-    HALF_V, KB4_L, KB4_ROW, O4_L, Q4_L, ROW_O, S4_L, _n_mine, _n_total, _row_stats,
+    HALF_V, KB4_L, KB4_ROW, O4_L, Q4_L, ROW_O, S4_L, _n_mine, _n_total,
     _softmax_step, _store_half_o,
 )
 

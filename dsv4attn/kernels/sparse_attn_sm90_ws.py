@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dsv4attn.kernels.common import BF16X2_2POW120, BF16X2_NEG_ZERO, e4m3_bits_ptx
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
-    BLOCK_H, BLOCK_N, HEAD_DIM, LN2, MMA_SMEM, NOPE, VEC_SMEM, _async_load, _cta_barrier, _extent,
+    BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, NOPE, VEC_SMEM, _async_load, _cta_barrier, _extent, _row_stats,
 )
 
 #: Warps of the default partition (warpgroup 0); warpgroup 1 and the producer run on top, with
@@ -923,35 +923,6 @@ def _n_total(t, split, num_splits,
                                b_block_size, B_RANGE, B_LEN)
         n += _n_mine(length, split, num_splits)
     return n
-
-
-@gluon.jit
-def _row_stats(m_i, l_i, h, t64, split, num_heads, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_lse_ptr,
-               sink_ptr, split_base, total_splits, HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr,
-               WRITE_MAX: gl.constexpr):
-    """The end of a split's softmax for heads ``h`` (running max ``m_i`` and sum ``l_i``, base
-    2): writes the lse (natural log; +inf for a row with no valid candidate) and the max logits,
-    or the split-KV partial's base-2 lse (-inf when empty), and returns each row's output factor
-    (``1 / l``, with the sink's share taken out; 0 for an empty row)."""
-    h_ok = h < num_heads
-    hc = gl.where(h_ok, h, 0)
-    is_empty = l_i == 0.0
-    l_safe = gl.where(is_empty, 1.0, l_i)
-    lse2 = gl.where(is_empty, float("-inf"), m_i + gl.log2(l_safe))
-    f = 1.0 / l_safe
-    if WRITE_PARTIAL:
-        part_row = (t64 * total_splits + split_base + split) * num_heads + hc
-        gl.store(part_lse_ptr + part_row, lse2, mask=h_ok)
-    else:
-        lse = gl.where(is_empty, float("inf"), lse2 * LN2)
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + hc, mask=h_ok, other=float("-inf"))
-            f = f / (1.0 + gl.exp(sink - gl.where(is_empty, 0.0, lse)))
-        f = gl.where(is_empty, 0.0, f)
-        gl.store(lse_ptr + t64 * stride_lse_t + hc, lse, mask=h_ok)
-        if WRITE_MAX:
-            gl.store(max_ptr + t64 * stride_max_t + hc, m_i * LN2, mask=h_ok)
-    return f
 
 
 @gluon.jit
