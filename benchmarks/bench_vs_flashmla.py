@@ -10,7 +10,11 @@ the same arguments. Prefill rows: 4096 query tokens over a bf16 kv of 16384 rows
 dsv4attn row per case reads the same kv as fp8_ds_mla pages directly (no bf16 staging).
 
 Times are medians of ``triton.testing.do_bench`` (eager launches, as an engine without CUDA
-graphs sees them) and, with ``--graphs``, of CUDA-graph replays. Agreement: bf16 out within
+graphs sees them) and, with ``--graphs``, of CUDA-graph replays of 10 calls. The graph times
+of a case's kernels are taken in turn, ``--rounds`` times (5; the order reversed every other
+round), and each is the median of its rounds, so a card whose clocks fall under a long
+tensor-core load slows both libraries alike; the table gives the lowest and highest per-round
+ratio too. Agreement: bf16 out within
 2e-3 abs and lse within 1e-3 of FlashMLA, checked on every row before timing.
 
     python -m benchmarks.bench_vs_flashmla --flashmla-path /tmp/flashmla_build
@@ -29,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dsv4attn
-from benchmarks.common import Ceilings, graph_us, median_us
+from benchmarks.common import Ceilings, interleaved_graph_us, median_us
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
@@ -51,10 +55,29 @@ class Result:
     max_lse_diff: float | None = None
     flashmla_graph_us: float | None = None
     dsv4attn_graph_us: float | None = None
+    #: the lowest and highest ratio of one round's graph times (dsv4attn / FlashMLA)
+    graph_ratio_lo: float | None = None
+    graph_ratio_hi: float | None = None
 
     @property
     def ratio(self) -> float | None:
         return self.dsv4attn_us / self.flashmla_us if self.flashmla_us else None
+
+
+def graph_times(fns: dict, results: dict[str, "Result"], rounds: int, ours: str = "ours",
+                theirs: str = "theirs") -> None:
+    """The graph times of ``fns`` (name -> callable: dsv4attn's kernels and, where FlashMLA is
+    there, ``theirs``), interleaved over ``rounds`` rounds, into ``results`` (name -> the row
+    whose dsv4attn time it is; FlashMLA's time goes into every row)."""
+    times = interleaved_graph_us(fns, calls=10, rounds=rounds)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731 - rounds is odd
+    for name, row in results.items():
+        row.dsv4attn_graph_us = med(times[name])
+        if theirs in times:
+            row.flashmla_graph_us = med(times[theirs])
+            if name == ours:
+                ratios = [a / b for a, b in zip(times[name], times[theirs])]
+                row.graph_ratio_lo, row.graph_ratio_hi = min(ratios), max(ratios)
 
 
 def load_flashmla(path: str | None):
@@ -121,8 +144,9 @@ def decode_inputs(b: int, h: int, topk: int, swa: int, device, gen) -> DecodeInp
     return DecodeInputs(main, extra, idx, eidx, q, sink, sets)
 
 
-def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, graphs: bool,
+def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, rounds: int,
                 gen) -> list[Result]:
+    """One decode row and its deterministic-mode row; ``rounds``: of graph timing (0: none)."""
     name = f"decode h{h} B{b}"
     x = decode_inputs(b, h, topk, swa, device, gen)
     main, extra, idx, eidx, q, sink, sets = x.main, x.extra, x.idx, x.eidx, x.q, x.sink, x.sets
@@ -139,8 +163,6 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     floor = max(bytes_ / ceil.copy_bytes_per_s, 2.0 * h * n * 2 * D * b / ceil.mma_flops) * 1e6
     o_ours, l_ours = ours()
     res = Result(name, None, median_us(ours), floor)
-    if graphs:
-        res.dsv4attn_graph_us = graph_us(ours, calls=10)
     # The batch-invariant mode through the op (same bytes, both sets in indices form).
     q3 = q[:, 0]
 
@@ -148,8 +170,7 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
 
     det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
-    if graphs:
-        det.dsv4attn_graph_us = graph_us(ours_det, calls=10)
+    fns = dict(ours=ours, det=ours_det)
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
         f8 = torch.float8_e4m3fn
@@ -162,13 +183,15 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
         compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
         res.flashmla_us = det.flashmla_us = median_us(theirs)
-        if graphs:
-            res.flashmla_graph_us = det.flashmla_graph_us = graph_us(theirs, calls=10)
+        fns["theirs"] = theirs
+    if rounds:
+        graph_times(fns, dict(ours=res, det=det), rounds)
     return [res, det]
 
 
-def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, graphs: bool,
+def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, rounds: int,
                  gen) -> list[Result]:
+    """One prefill row and its fp8-pages row; ``rounds``: of graph timing (0: none)."""
     name = f"prefill h{h} top-k {topk}"
     kv = (torch.randn(s_kv, 1, D, device=device, generator=gen)).to(torch.bfloat16)
     idx = torch.rand(s_q, s_kv, device=device, generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)[:, None, :]
@@ -183,8 +206,7 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
 
     o_ours, _, l_ours = ours()
     res = Result(name, None, median_us(ours), floor)
-    if graphs:
-        res.dsv4attn_graph_us = graph_us(ours, calls=10)
+    fns = dict(ours=ours)
     # The same rows as fp8_ds_mla pages, read directly by dsv4attn (no bf16 staging copy).
     cache = quantize_fp8_ds_mla(kv.view(-1, BLOCK, D))
     cset = CandidateSet(cache=cache, lengths=torch.full((s_q,), topk, dtype=torch.int32, device=device),
@@ -202,8 +224,9 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
         res.flashmla_us = median_us(theirs)
         fp8.flashmla_us = res.flashmla_us
-        if graphs:
-            res.flashmla_graph_us = graph_us(theirs, calls=10)
+        fns["theirs"] = theirs
+    if rounds:
+        graph_times(fns, dict(ours=res), rounds)
     return [res, fp8]
 
 
@@ -215,7 +238,7 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
     head = ["case", "FlashMLA us", "dsv4attn us", "dsv4attn / FlashMLA", "floor us", "FlashMLA % floor",
             "dsv4attn % floor"]
     if graphs:
-        head += ["FlashMLA graph us", "dsv4attn graph us", "graph ratio"]
+        head += ["FlashMLA graph us", "dsv4attn graph us", "graph ratio", "rounds' ratios"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
@@ -225,7 +248,8 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
                  f"{100 * r.floor_us / r.dsv4attn_us:.0f}%"]
         if graphs:
             gr = (r.dsv4attn_graph_us / r.flashmla_graph_us) if r.flashmla_graph_us and r.dsv4attn_graph_us else None
-            cells += [f(r.flashmla_graph_us), f(r.dsv4attn_graph_us), "-" if gr is None else f"{gr:.2f}x"]
+            cells += [f(r.flashmla_graph_us), f(r.dsv4attn_graph_us), "-" if gr is None else f"{gr:.2f}x",
+                      "-" if r.graph_ratio_lo is None else f"{r.graph_ratio_lo:.2f}-{r.graph_ratio_hi:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -252,10 +276,13 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference path), dsv4attn only")
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved graph timing (odd)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--kernel-config", default="", help='KernelConfig fields "field=value,..." changed in every '
                    "config dispatch picks (a candidate default, timed before it becomes one)")
     args = p.parse_args()
+    if args.rounds < 1 or args.rounds % 2 == 0:
+        raise SystemExit("--rounds must be an odd number >= 1")
     if args.kernel_config:
         override_kernel_config(args.kernel_config)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -263,7 +290,7 @@ def main() -> None:
     fm = load_flashmla(args.flashmla_path) if cuda else None
     ceil = Ceilings.measure() if cuda else Ceilings()
     gen = torch.Generator(device=device).manual_seed(0)
-    graphs = args.graphs and cuda
+    rounds = args.rounds if args.graphs and cuda else 0
     only = [s for s in args.only.split(",") if s]
     want = lambda name: not only or any(s in name for s in only)  # noqa: E731
     results: list[Result] = []
@@ -276,11 +303,11 @@ def main() -> None:
         topk, swa = 512, 128
     for h, b in dec:
         if want(f"decode h{h} B{b}"):
-            results += decode_case(fm, b, h, topk, swa, ceil, device, graphs, gen)
+            results += decode_case(fm, b, h, topk, swa, ceil, device, rounds, gen)
             print(f"  {results[-2]}\n  {results[-1]}", flush=True)
     for h, k, s_q, s_kv in pre:
         if want(f"prefill h{h} top-k {k}"):
-            results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, graphs, gen)
+            results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, rounds, gen)
             print(f"  {results[-2]}\n  {results[-1]}", flush=True)
     print_results(results, ceil, fm is not None)
     if args.json:

@@ -41,6 +41,13 @@ def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0)
     """Median device time of one ``fn()`` call, from ``calls`` calls captured in one CUDA graph and
     replayed (eager calls of small cases are bound by the host's launch cost). ``fn`` is run
     twice on a side stream first (compiles, allocator warm-up). Capture errors propagate."""
+    graph = _capture(fn, calls)
+    return median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+
+
+def _capture(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """``calls`` calls of ``fn`` in one CUDA graph, after two calls on a side stream (compiles,
+    allocator warm-up)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -51,7 +58,25 @@ def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0)
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+    return graph
+
+
+def interleaved_graph_us(fns: dict, calls: int = 1, rounds: int = 5, rep_ms: float = 40.0) -> dict:
+    """Per-round median device times (us per call) of each of ``fns`` (name -> callable), each
+    captured as ``calls`` calls in one CUDA graph, timed in turn ``rounds`` times (the order
+    reversed every other round). A card that lowers its clocks under a long tensor-core load
+    (an H100 at its power limit) then slows every version alike, where timing one version
+    after another gives the later one the hotter card. Returns name -> list of ``rounds``
+    times."""
+    graphs = {name: _capture(fn, calls) for name, fn in fns.items()}
+    names = list(graphs)
+    for name in names:  # one warm-up pass over all, so round 0 does not favour the first
+        median_us(graphs[name].replay, warmup_ms=5.0, rep_ms=5.0)
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(median_us(graphs[name].replay, warmup_ms=2.0, rep_ms=rep_ms) / calls)
+    return times
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 
 import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
-from benchmarks.common import graph_us
+from benchmarks.common import graph_us, interleaved_graph_us
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
@@ -86,10 +86,13 @@ def prefill_variants() -> None:
     the same rows as fp8 pages: the warp-specialised kernel against the single-partition one and
     the q-in-registers one. ``--rows-per-block N``: pages of N rows (default 64; the bench's
     bf16 rows have 1); ``--max-logits``: the kernels also write max logits, as
-    ``flash_mla_sparse_fwd`` asks."""
+    ``flash_mla_sparse_fwd`` asks; ``--rounds N`` (5): the variants' graphs are timed in turn N
+    times, and each line gives the median, the range over the rounds and the range of the
+    per-round ratio to the first variant."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     s_q = 4096
     rpb = int(sys.argv[sys.argv.index("--rows-per-block") + 1]) if "--rows-per-block" in sys.argv else BLOCK
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
     for h in (64, 128):
         for topk in (512, 2048):
             kv, idx, q, sink, lengths = prefill_inputs(s_q, h, topk, gen, rows_per_block=rpb)
@@ -101,6 +104,8 @@ def prefill_variants() -> None:
                 lse = torch.empty(s_q, h, device="cuda")
                 mx = torch.empty(s_q, h, device="cuda") if "--max-logits" in sys.argv else None
                 ref = None
+                fns: dict = {}
+                diffs: dict = {}
                 for label, over in (("single-partition", dict(sm90_ws=False, sm90_ws_bf16=False)),
                                     ("warp-specialised", dict(sm90_ws=True, sm90_ws_bf16=True)),
                                     ("q in registers", dict(sm90_ws=True, sm90_ws_bf16=True, sm90_bf16_qreg=True)),
@@ -116,15 +121,21 @@ def prefill_variants() -> None:
                         launch(q, sets, SCALE, sink, out, lse, mx, None, cfg)
                         if ref is None:
                             ref = (out.float().clone(), lse.clone())
-                        d_o = (out.float() - ref[0]).abs().max().item()
-                        d_l = (lse - ref[1]).abs().max().item()
-                        us = graph_us(lambda: launch(q, sets, SCALE, sink, out, lse, mx, None, cfg), warmup_ms=5,
-                                      rep_ms=30)
+                        diffs[label] = ((out.float() - ref[0]).abs().max().item(), (lse - ref[1]).abs().max().item())
+                        fns[label] = lambda cfg=cfg: launch(q, sets, SCALE, sink, out, lse, mx, None, cfg)
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"prefill h{h} top-k {topk} {kind} {label}: failed {type(e).__name__}: {str(e)[:160]}",
                               flush=True)
-                        continue
-                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:18s}: {us:9.1f} us   |d out| {d_o:.1e} "
+                # The variants' graphs timed in turn (rounds in alternating order): see
+                # benchmarks.common.interleaved_graph_us.
+                times = interleaved_graph_us(fns, rounds=rounds, rep_ms=20.0)
+                first = next(iter(times), None)
+                for label, ts in times.items():
+                    us = sorted(ts)[len(ts) // 2]
+                    rel = [a / b for a, b in zip(ts, times[first])]
+                    d_o, d_l = diffs[label]
+                    print(f"prefill h{h} top-k {topk} {kind:4s} {label:18s}: {us:9.1f} us (rounds {min(ts):.0f}-"
+                          f"{max(ts):.0f}, / first {min(rel):.3f}-{max(rel):.3f})   |d out| {d_o:.1e} "
                           f"|d lse| {d_l:.1e} (vs the first kernel)", flush=True)
 
 
