@@ -17,15 +17,15 @@ Same grid, arguments and outputs as
   once both have multiplied chunk c. A stage's full barrier tracks the copies themselves
   (``cp.async.mbarrier.arrive``), so warpgroup 0 can start a chunk's logits as soon as its rows
   have landed, wherever the copying warpgroups are in their loop. With ``COL_COPIES``
-  (``KernelConfig.sm90_qreg_col_copies``, compiled but not yet run on a GPU) each copies its
-  own 256 columns of every row instead, as soon as it has multiplied them.
+  (``KernelConfig.sm90_qreg_col_copies``) each copies its own 256 columns of every row instead,
+  as soon as it has multiplied them.
 
 Invalid candidates are never read (``cp.async`` zero-fills them) and get -inf logits from the
 per-chunk validity vector, as in every kernel of the library. Bit-identical to the
-warp-specialised kernel. On an H100 (docs/benchmarks.md, Tables 56-57) it is 3-8% faster than that
-kernel at 8 chunks per CTA on pages of 64 rows and 1-6% slower at 32, and 5-10% slower on
-FlashMLA's prefill rows (pages of one row), so the launcher runs it only with
-``KernelConfig.sm90_bf16_qreg``.
+warp-specialised kernel. On an H100 (docs/benchmarks.md, Tables 56-59) it is 3-8% faster than that
+kernel at 8 chunks per CTA on pages of 64 rows (5-9% with ``COL_COPIES``) and 1-6%
+slower at 32, and 5-10% slower on FlashMLA's prefill rows (pages of one row) through
+``flash_mla_sparse_fwd``, so the launcher runs it only with ``KernelConfig.sm90_bf16_qreg``.
 """
 
 from __future__ import annotations

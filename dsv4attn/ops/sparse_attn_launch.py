@@ -107,8 +107,10 @@ class KernelConfig:
     sm90_bf16_qreg: bool = False
     #: In the q-in-registers kernel, each ``P V`` warpgroup copies its own 256 columns of every
     #: chunk's rows (refilled as soon as it has multiplied them) instead of half the rows of all
-    #: columns (refilled once both have). Built and compiled offline (Triton 3.6: no spills in
-    #: three of four variants), not yet run on a GPU: off (docs/design.md, "Twenty-second session").
+    #: columns (refilled once both have). Bit-identical too (tested on an H100). 5-9% faster than
+    #: the warp-specialised kernel at 8 chunks per CTA on pages of 64 rows, level to 5% slower at
+    #: 32, and 1.13-1.20x FlashMLA on its prefill rows against 1.08-1.10x (docs/benchmarks.md,
+    #: Table 59): off.
     sm90_qreg_col_copies: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
