@@ -12,9 +12,10 @@ dsv4attn row per case reads the same kv as fp8_ds_mla pages directly (no bf16 st
 Times are medians of ``triton.testing.do_bench`` (eager launches, as an engine without CUDA
 graphs sees them) and, with ``--graphs``, of CUDA-graph replays of 10 calls. The graph times
 of a case's kernels are taken in turn, ``--rounds`` times (5; the order reversed every other
-round), and each is the median of its rounds, so a card whose clocks fall under a long
-tensor-core load slows both libraries alike; the table gives the lowest and highest per-round
-ratio too. Agreement: bf16 out within
+round; each turn runs 100 ms before it is timed for 100 ms), and each is the median of its
+rounds: an H100 lowers its clock to hold its power limit under these loads, so each version
+should run at the clock its own draw allows while the card's slow drift falls on every version
+alike. The table gives the lowest and highest per-round ratio too. Agreement: bf16 out within
 2e-3 abs and lse within 1e-3 of FlashMLA, checked on every row before timing.
 
     python -m benchmarks.bench_vs_flashmla --flashmla-path /tmp/flashmla_build

@@ -61,21 +61,21 @@ def _capture(fn, calls: int) -> "torch.cuda.CUDAGraph":
     return graph
 
 
-def interleaved_graph_us(fns: dict, calls: int = 1, rounds: int = 5, rep_ms: float = 40.0) -> dict:
+def interleaved_graph_us(fns: dict, calls: int = 1, rounds: int = 5, warmup_ms: float = 100.0,
+                         rep_ms: float = 100.0) -> dict:
     """Per-round median device times (us per call) of each of ``fns`` (name -> callable), each
     captured as ``calls`` calls in one CUDA graph, timed in turn ``rounds`` times (the order
-    reversed every other round). A card that lowers its clocks under a long tensor-core load
-    (an H100 at its power limit) then slows every version alike, where timing one version
-    after another gives the later one the hotter card. Returns name -> list of ``rounds``
-    times."""
+    reversed every other round). Each turn first runs its graph for ``warmup_ms`` and then times
+    it for ``rep_ms``, so each version runs at the clock its own power draw allows (an H100 holds
+    its power limit under a long tensor-core load by lowering the clock), while the rounds spread
+    the card's slow drift (temperature) over every version alike; timing one version after
+    another gave the later one the hotter card. Returns name -> list of ``rounds`` times."""
     graphs = {name: _capture(fn, calls) for name, fn in fns.items()}
     names = list(graphs)
-    for name in names:  # one warm-up pass over all, so round 0 does not favour the first
-        median_us(graphs[name].replay, warmup_ms=5.0, rep_ms=5.0)
     times: dict = {name: [] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            times[name].append(median_us(graphs[name].replay, warmup_ms=2.0, rep_ms=rep_ms) / calls)
+            times[name].append(median_us(graphs[name].replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls)
     return times
 
 

@@ -128,7 +128,7 @@ def prefill_variants() -> None:
                               flush=True)
                 # The variants' graphs timed in turn (rounds in alternating order): see
                 # benchmarks.common.interleaved_graph_us.
-                times = interleaved_graph_us(fns, rounds=rounds, rep_ms=20.0)
+                times = interleaved_graph_us(fns, rounds=rounds)
                 first = next(iter(times), None)
                 for label, ts in times.items():
                     us = sorted(ts)[len(ts) // 2]
