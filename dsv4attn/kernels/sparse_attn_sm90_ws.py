@@ -415,62 +415,41 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 # it (each set's head used to wait for its own chain of reads). Each half-chunk's set is chosen
 # by its place in the sequence; the per-set values are scalars.
 @gluon.jit
-def _g_set(g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-           a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-           b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-           b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req):
+def _g_set(g, n_a, split, num_splits, sa, sb):
     """Half-chunk ``g`` of the merged sequence: its candidate positions in its set and that set's
-    values (set A's ``2 n_a`` half-chunks come first)."""
+    values, in the order of ``sa`` / ``sb`` (each set's cache pointer, block stride, block size,
+    capacity, index pointer, index stride, length, block-table pointer, its stride, max blocks,
+    start, request; set A's ``2 n_a`` half-chunks come first)."""
     in_b = g >= 2 * n_a
     j = _half_rows(g - 2 * n_a * in_b.to(gl.int32), split, num_splits)
-    return (j, gl.where(in_b, b_cache_ptr, a_cache_ptr), gl.where(in_b, b_stride_blk, a_stride_blk),
-            gl.where(in_b, b_block_size, a_block_size), gl.where(in_b, b_capacity, a_capacity),
-            gl.where(in_b, b_idx_ptr, a_idx_ptr), gl.where(in_b, b_stride_idx, a_stride_idx),
-            gl.where(in_b, b_length, a_length), gl.where(in_b, b_bt_ptr, a_bt_ptr),
-            gl.where(in_b, b_stride_bt, a_stride_bt), gl.where(in_b, b_max_blocks, a_max_blocks),
-            gl.where(in_b, b_start, a_start), gl.where(in_b, b_req, a_req))
+    return (j, gl.where(in_b, sb[0], sa[0]), gl.where(in_b, sb[1], sa[1]), gl.where(in_b, sb[2], sa[2]),
+            gl.where(in_b, sb[3], sa[3]), gl.where(in_b, sb[4], sa[4]), gl.where(in_b, sb[5], sa[5]),
+            gl.where(in_b, sb[6], sa[6]), gl.where(in_b, sb[7], sa[7]), gl.where(in_b, sb[8], sa[8]),
+            gl.where(in_b, sb[9], sa[9]), gl.where(in_b, sb[10], sa[10]), gl.where(in_b, sb[11], sa[11]))
 
 
 @gluon.jit
-def _g_entry(t, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-             a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-             b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-             b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+def _g_entry(t, g, n_a, split, num_splits, sa, sb, IS_RANGE: gl.constexpr):
     """The slot-lookup reads of half-chunk ``g`` of the merged sequence."""
     j, _c, _s, block_size, _cap, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req = _g_set(
-        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+        g, n_a, split, num_splits, sa, sb)
     return _candidate_entry(t, j, idx_ptr, stride_idx, length, bt_ptr, stride_bt, max_blocks, start, req, block_size,
                             IS_RANGE)
 
 
 @gluon.jit
-def _g_load(x, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+def _g_load(x, g, n_a, split, num_splits, sa, sb, IS_RANGE: gl.constexpr):
     """:func:`_load_tiles` of half-chunk ``g`` of the merged sequence (``x``: its lookups)."""
     j, cache_ptr, stride_blk, block_size, capacity, _i, _si, _l, _b, _sb, _m, start, _r = _g_set(
-        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+        g, n_a, split, num_splits, sa, sb)
     return _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE)
 
 
 @gluon.jit
-def _g_prefetch(x, g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-                a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE: gl.constexpr):
+def _g_prefetch(x, g, n_a, split, num_splits, sa, sb, IS_RANGE: gl.constexpr):
     """:func:`_prefetch_half` of half-chunk ``g`` of the merged sequence."""
     j, cache_ptr, stride_blk, block_size, capacity, _i, _si, _l, _b, _sb, _m, start, _r = _g_set(
-        g, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-        a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req)
+        g, n_a, split, num_splits, sa, sb)
     _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE)
 
 
@@ -493,42 +472,21 @@ def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
     else:
         b_start, b_length, b_req = a_start, a_length * 0, a_req
         n = n_a
-    x0 = _g_entry(t, 0, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-    x1 = _g_entry(t, 1, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-    y0 = _g_entry(t, 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-    y1 = _g_entry(t, 3, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-                  a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                  b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-    a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(
-        x0, 0, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-        a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+    # Each set's values, in the order :func:`_g_set` picks from.
+    sa = (a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_length, a_bt_ptr,
+          a_stride_bt, a_max_blocks, a_start, a_req)
+    sb = (b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_length, b_bt_ptr,
+          b_stride_bt, b_max_blocks, b_start, b_req)
+    x0 = _g_entry(t, 0, n_a, split, num_splits, sa, sb, IS_RANGE)
+    x1 = _g_entry(t, 1, n_a, split, num_splits, sa, sb, IS_RANGE)
+    y0 = _g_entry(t, 2, n_a, split, num_splits, sa, sb, IS_RANGE)
+    y1 = _g_entry(t, 3, n_a, split, num_splits, sa, sb, IS_RANGE)
+    a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(x0, 0, n_a, split, num_splits, sa, sb, IS_RANGE)
     for h in range(0, 2 * n, 2):
-        b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1 = _g_load(
-            x1, h + 1, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1 = _g_load(x1, h + 1, n_a, split, num_splits, sa, sb, IS_RANGE)
         if PREFETCH:  # the next chunk's lines
-            _g_prefetch(y0, h + 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-                        a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-            _g_prefetch(y1, h + 3, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-                        a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                        b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                        b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+            _g_prefetch(y0, h + 2, n_a, split, num_splits, sa, sb, IS_RANGE)
+            _g_prefetch(y1, h + 3, n_a, split, num_splits, sa, sb, IS_RANGE)
         it = h // 2
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -536,20 +494,10 @@ def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
         valid_buf = valid_bufs.index(st)
         _store_tiles(a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0),
                      valid_buf.slice(0, HALF, dim=0), DQ_BITS)
-        a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(
-            y0, h + 2, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr,
-            a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-            b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-            b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        a0, a1, a2, a3, a4, a5, a6, rope0, sc0, v0 = _g_load(y0, h + 2, n_a, split, num_splits, sa, sb, IS_RANGE)
         x1 = y1
-        y0 = _g_entry(t, h + 4, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-                      a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                      b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
-        y1 = _g_entry(t, h + 5, n_a, split, num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-                      a_idx_ptr, a_stride_idx, a_length, a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_req,
-                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                      b_length, b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_req, IS_RANGE)
+        y0 = _g_entry(t, h + 4, n_a, split, num_splits, sa, sb, IS_RANGE)
+        y1 = _g_entry(t, h + 5, n_a, split, num_splits, sa, sb, IS_RANGE)
         _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
                      valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
         fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
