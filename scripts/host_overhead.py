@@ -10,7 +10,8 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
 * GPU (``--device cuda``, no ``--stub``): wall time per eager call of the real path (Triton's
   launcher included) with the device synchronised once before and once after the timed loop,
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
-  time only while the host is slower than the kernels (small batches).
+  time only while the host is slower than the kernels (small batches). Each entry point is
+  timed with :mod:`dsv4attn.ops.launch_cache` on and then off.
 
 Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
 calls each (the minimum is the figure to compare on a loaded machine).
@@ -146,9 +147,15 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
+    from dsv4attn.ops import launch_cache
+
     for name, fn in calls.items():
-        med, best = time_us(fn, device, args.calls, args.repeats)
-        print(f"{name:24s} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
+        for cached in (True, False) if device.type == "cuda" else (True,):
+            launch_cache.ENABLED = cached  # off: every launch binds its arguments in Triton
+            med, best = time_us(fn, device, args.calls, args.repeats)
+            tag = "" if device.type != "cuda" else ("  launch cache on " if cached else "  launch cache off")
+            print(f"{name:24s}{tag} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
+    launch_cache.ENABLED = False  # the default until it has run on a GPU
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 
 from dsv4attn.device import sm_count
 from dsv4attn.kv_cache.layout import FP8DSMLALayout
+from dsv4attn.ops import launch_cache
 from dsv4attn.ops.candidate_set import CandidateSet, layout_for
 
 _INT32_MAX = 2**31 - 1
@@ -361,15 +362,11 @@ def launch(
             _launch_decode(q, group, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale,
                            split_base, total, cfg if not shared else dataclasses.replace(cfg, num_splits=1), geo_key)
     if total > 1:
-        kernels._sparse_mla_combine_kernel[(num_tokens, num_heads)](
-            part_o, part_lse, sink,
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0),
-            num_heads, total,
-            HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), HAS_SINK=has_sink,
-            OUT_BF16=geo["OUT_BF16"], S_PAD=_next_pow2(total), CPU_INTERP=geo["CPU_INTERP"],
-            num_warps=4,
-        )
+        launch_cache.launch(
+            kernels._sparse_mla_combine_kernel, (num_tokens, num_heads),
+            (part_o, part_lse, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), num_heads, total),
+            dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), HAS_SINK=has_sink, OUT_BF16=geo["OUT_BF16"],
+                 S_PAD=_next_pow2(total), CPU_INTERP=geo["CPU_INTERP"], num_warps=4))
 
 
 def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_sink, qk_scale, split_base, total,
@@ -414,7 +411,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
                                                                   consts)):
                 return
-            kernel[grid](*args, **consts, num_warps=warps, num_stages=1)
+            launch_cache.launch(kernel, grid, args, dict(consts, num_warps=warps, num_stages=1))
             return
         except Exception as e:  # noqa: BLE001 - only compile / launch failures fall back
             if not _is_build_failure(e):
@@ -423,9 +420,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             warnings.warn(f"dsv4attn: the sm90 attention kernel could not be built or launched here "
                           f"({_sm90_failures[-1]}); this process uses the portable Triton kernel from now on",
                           RuntimeWarning, stacklevel=2)
-    portable = kernels._sparse_mla_attn_kernel[grid]
     for v_mask in masks:
-        portable(*args, **_decode_constexprs(cfg, geo_key, flags, v_mask))
+        launch_cache.launch(kernels._sparse_mla_attn_kernel, grid, args, _decode_constexprs(cfg, geo_key, flags, v_mask))
 
 
 #: Compile or launch failures of the sm90 kernel in this process (e.g. a Triton release whose
@@ -607,16 +603,10 @@ def _launch_prefill(q, sets, out, lse, part_o, part_lse, sink, has_sink, qk_scal
     a = sets[0]
     b = sets[1] if len(sets) > 1 else sets[0]
     grid = (_cdiv(num_tokens, block_m), _cdiv(num_heads, block_h))
-    kernels._sparse_mla_prefill_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        lse, lse.stride(0),
-        part_o, part_lse,
-        sink,
-        *args(a), *args(b),
-        num_tokens, num_heads, qk_scale, split_base, total,
-        A_FP8=a.is_fp8, HAS_B=len(sets) > 1, B_FP8=b.is_fp8,
-        HAS_SINK=has_sink, WRITE_PARTIAL=total > 1,
-        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=_PREFILL_BLOCK_N,
-        num_warps=_PREFILL_WARPS, num_stages=1, **geo,
-    )
+    launch_cache.launch(
+        kernels._sparse_mla_prefill_kernel, grid,
+        (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), part_o, part_lse, sink,
+         *args(a), *args(b), num_tokens, num_heads, qk_scale, split_base, total),
+        dict(A_FP8=a.is_fp8, HAS_B=len(sets) > 1, B_FP8=b.is_fp8, HAS_SINK=has_sink, WRITE_PARTIAL=total > 1,
+             BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=_PREFILL_BLOCK_N, num_warps=_PREFILL_WARPS, num_stages=1,
+             **geo))

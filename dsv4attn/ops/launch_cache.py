@@ -1,0 +1,104 @@
+"""Relaunch a compiled Triton kernel without Triton's per-call binding (eager host cost).
+
+``fn[grid](*args, **kwargs)`` on a ``@triton.jit`` (or Gluon) function binds every argument,
+derives each one's specialisation, builds the cache key, checks the kernel's globals and only
+then launches. That takes tens of microseconds per launch for the attention kernels' 60-80
+arguments: an eager decode call was host-bound at small batches (docs/benchmarks.md, "Host time
+of an eager call, profiled"). :func:`launch` does the first launch of each specialisation the
+usual way, keeps the compiled kernel that Triton returns, and launches it directly afterwards
+(``CompiledKernel[grid](*all_args)``, Triton's own launcher).
+
+A specialisation is what Triton 3.6-3.9 derive from the arguments (``native_specialize_impl``):
+per tensor its dtype and whether its address is a multiple of 16; per int whether it equals 1
+(then a constant), whether it is a multiple of 16, and its width (i32 / i64 / u64); per bool,
+float and None only the kind. :func:`arg_key` keeps exactly these properties (a test checks it
+against Triton's own function), so two launches with equal keys run the same binary. The
+constexprs and launch options are part of the key as given.
+
+Only CUDA launches go through the cache; the interpreter and CPU take the usual path.
+
+**Off by default (``ENABLED = False``) until it has run on a GPU.** It was written in a session
+whose device time had run out: the key is checked against Triton's own specialisation (3.6 and
+3.9) and the relaunch against stand-in kernels on CPU (tests/test_launch_cache.py), not against
+real launches. Its GPU test (``test_relaunched_attention_equals_bound_launches``) turns it on
+for itself, and ``python3 -m scripts.host_overhead --device cuda`` times eager calls with it on
+and off; once both have run on the H200 it should be turned on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+#: Relaunch compiled kernels directly (False: every launch through ``fn[grid](...)``).
+ENABLED = False
+#: Specialisations kept (least recently used dropped first): a serving process meets a handful per
+#: kernel (the warm-up, docs/serving.md, makes them finite).
+MAX_ENTRIES = 512
+
+#: Device types whose launches go through the cache (the tests add "cpu" with a stand-in kernel).
+DEVICE_TYPES = ("cuda",)
+
+_I32 = 2**31
+_entries: OrderedDict = OrderedDict()
+
+
+def current_device() -> int:
+    """The device Triton compiles and launches for (its driver's current device)."""
+    return torch.cuda.current_device()
+
+
+def clear() -> None:
+    """Forget every kept kernel (tests)."""
+    _entries.clear()
+
+
+def arg_key(a: Any) -> Any:
+    """The properties of one runtime argument that Triton specialises a kernel on."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return "u1"
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0, -_I32 <= a < _I32, a < 2**63)
+    if isinstance(a, float):
+        return "fp32"
+    if a is None:
+        return None
+    raise TypeError(f"no launch-cache key for an argument of type {type(a).__name__}")
+
+
+def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``fn[grid](*args, **kwargs)``; after the first launch of a specialisation, the compiled
+    kernel is launched directly. ``args``: the kernel's leading parameters, positional;
+    ``kwargs``: constexprs and the launch options (``num_warps``, ``num_stages``)."""
+    first = args[0] if args else None
+    if not ENABLED or not isinstance(first, torch.Tensor) or first.device.type not in DEVICE_TYPES:
+        fn[grid](*args, **kwargs)
+        return
+    try:
+        # Triton compiles for the current device (not the tensors'), so that is the one keyed.
+        key = (fn, current_device(), tuple(kwargs.items()), tuple(arg_key(a) for a in args))
+        hash(key)
+    except TypeError:  # an argument the key does not cover: the usual path
+        fn[grid](*args, **kwargs)
+        return
+    hit = _entries.get(key)
+    if hit is None:
+        compiled = fn[grid](*args, **kwargs)
+        if compiled is None or not hasattr(compiled, "__getitem__") or hasattr(compiled, "result"):
+            return  # not a compiled kernel that can be relaunched (e.g. one still compiling)
+        params = list(inspect.signature(fn.fn).parameters.values())[len(args):]
+        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
+        if any(v is inspect.Parameter.empty for v in tail):
+            return  # a parameter Triton bound some other way: keep the usual path for it
+        _entries[key] = (compiled, tail)
+        if len(_entries) > MAX_ENTRIES:
+            _entries.popitem(last=False)
+        return
+    _entries.move_to_end(key)
+    compiled, tail = hit
+    compiled[(tuple(grid) + (1, 1))[:3]](*args, *tail)  # Triton's launcher takes three grid sizes
