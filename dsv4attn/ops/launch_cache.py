@@ -2,11 +2,12 @@
 
 ``fn[grid](*args, **kwargs)`` on a ``@triton.jit`` (or Gluon) function binds every argument,
 derives each one's specialisation, builds the cache key, checks the kernel's globals and only
-then launches. That takes tens of microseconds per launch for the attention kernels' 60-80
-arguments: an eager decode call was host-bound at small batches (docs/benchmarks.md, "Host time
-of an eager call, profiled"). :func:`launch` does the first launch of each specialisation the
-usual way, keeps the compiled kernel that Triton returns, and launches it directly afterwards
-(``CompiledKernel[grid](*all_args)``, Triton's own launcher).
+then launches. For the attention kernels' 60-80 arguments that was about 90 us per launch on
+the H200's host (under cProfile), half of an eager decode call, which is host-bound at small
+batches (docs/benchmarks.md, "Host time of an eager call, profiled"). :func:`launch` does the
+first launch of each specialisation the usual way, keeps the compiled kernel that Triton
+returns, and launches it directly afterwards (``CompiledKernel[grid](*all_args)``, Triton's own
+launcher).
 
 A specialisation is what Triton 3.6-3.9 derive from the arguments (``native_specialize_impl``):
 per tensor its dtype and whether its address is a multiple of 16; per int whether it equals 1
