@@ -185,3 +185,15 @@ def test_relaunched_attention_equals_bound_launches():
         assert len(launch_cache._entries) >= 1  # the kernels were kept and relaunched
     finally:
         launch_cache.ENABLED = was
+
+
+def test_kept_kernels_are_bounded(cpu_cache, monkeypatch):
+    """Past ``MAX_ENTRIES`` the oldest kept kernel is dropped; its next launch binds again."""
+    monkeypatch.setattr(launch_cache, "MAX_ENTRIES", 2)
+    k = _Kernel()
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    for block in (16, 32, 64, 16):  # three specialisations, then the first (dropped) again
+        launch_cache.launch(k, (1,), (buf, 32, 48, 0.5), dict(BLOCK=block))
+    launch_cache.launch(k, (1,), (buf, 32, 48, 0.5), dict(BLOCK=64))  # still kept
+    assert [e[0] for e in k.log] == ["bound"] * 4 + ["direct"]
+    assert len(launch_cache._entries) == 2

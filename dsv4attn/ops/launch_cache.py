@@ -29,14 +29,13 @@ and off; once both have run on the H200 it should be turned on.
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 #: Relaunch compiled kernels directly (False: every launch through ``fn[grid](...)``).
 ENABLED = False
-#: Specialisations kept (least recently used dropped first): a serving process meets a handful per
+#: Specialisations kept (the oldest dropped first): a serving process meets a handful per
 #: kernel (the warm-up, docs/serving.md, makes them finite).
 MAX_ENTRIES = 512
 
@@ -44,7 +43,7 @@ MAX_ENTRIES = 512
 DEVICE_TYPES = ("cuda",)
 
 _I32 = 2**31
-_entries: OrderedDict = OrderedDict()
+_entries: dict = {}
 
 
 def current_device() -> int:
@@ -83,11 +82,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     try:
         # Triton compiles for the current device (not the tensors'), so that is the one keyed.
         key = (fn, current_device(), tuple(kwargs.items()), tuple(arg_key(a) for a in args))
-        hash(key)
+        hit = _entries.get(key)  # the key's one hash on a relaunch
     except TypeError:  # an argument the key does not cover: the usual path
         fn[grid](*args, **kwargs)
         return
-    hit = _entries.get(key)
     if hit is None:
         compiled = fn[grid](*args, **kwargs)
         if compiled is None or not hasattr(compiled, "__getitem__") or hasattr(compiled, "result"):
@@ -96,10 +94,9 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
         if any(v is inspect.Parameter.empty for v in tail):
             return  # a parameter Triton bound some other way: keep the usual path for it
+        if len(_entries) >= MAX_ENTRIES:
+            del _entries[next(iter(_entries))]  # the oldest; it costs one bound launch if it comes back
         _entries[key] = (compiled, tail)
-        if len(_entries) > MAX_ENTRIES:
-            _entries.popitem(last=False)
         return
-    _entries.move_to_end(key)
     compiled, tail = hit
     compiled[(tuple(grid) + (1, 1))[:3]](*args, *tail)  # Triton's launcher takes three grid sizes
