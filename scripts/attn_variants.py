@@ -6,7 +6,7 @@ disjoint top-k + 128 SWA candidates per token, both indices form, sink); the var
 the host time of one eager FlashMLA-compatible call (launch overhead, no device sync).
 
     python3 -m scripts.attn_variants [--skips] [--quick] [--decode-sweep] [--h128]
-    python3 -m scripts.attn_variants --prefill [--bf16] [--no-single] [--rows-per-block N] [--max-logits]
+    python3 -m scripts.attn_variants --prefill [--bf16] [--no-single] [--rows-per-block N] [--max-logits] [--rounds N]
 
 (from the repository root; graph replays)
 """
