@@ -29,12 +29,14 @@ and off; once both have run on the H200 it should be turned on.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
 
 #: Relaunch compiled kernels directly (False: every launch through ``fn[grid](...)``).
-ENABLED = False
+#: ``DSV4ATTN_LAUNCH_CACHE=1`` / ``=0`` in the environment overrides the default.
+ENABLED = os.environ.get("DSV4ATTN_LAUNCH_CACHE", "0") == "1"
 #: Specialisations kept (the oldest dropped first): a serving process meets a handful per
 #: kernel (the warm-up, docs/serving.md, makes them finite).
 MAX_ENTRIES = 512
