@@ -149,13 +149,14 @@ def main() -> None:
         return
     from dsv4attn.ops import launch_cache
 
+    default = launch_cache.ENABLED
     for name, fn in calls.items():
         for cached in (True, False) if device.type == "cuda" else (True,):
             launch_cache.ENABLED = cached  # off: every launch binds its arguments in Triton
             med, best = time_us(fn, device, args.calls, args.repeats)
             tag = "" if device.type != "cuda" else ("  launch cache on " if cached else "  launch cache off")
             print(f"{name:24s}{tag} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
-    launch_cache.ENABLED = False  # the default until it has run on a GPU
+    launch_cache.ENABLED = default
 
 
 if __name__ == "__main__":

@@ -46,6 +46,15 @@ def test_key_determines_triton_specialisation():
             assert launch_cache.arg_key(a)[:3] == launch_cache.arg_key(b)[:3] or a >= 2**63 or b >= 2**63, (a, b)
 
 
+def test_inlined_key_equals_per_argument_key():
+    """``args_key`` (tensors and ints inlined) gives exactly ``arg_key`` of each argument,
+    including tensor subclasses, bools (not ints here) and ints at every boundary."""
+    samples = _samples() + [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(8))[1:]]
+    assert launch_cache.args_key(tuple(samples)) == tuple(launch_cache.arg_key(a) for a in samples)
+    with pytest.raises(TypeError, match="no launch-cache key"):
+        launch_cache.args_key((torch.zeros(1), "x"))
+
+
 def test_unsupported_argument_has_no_key():
     with pytest.raises(TypeError, match="no launch-cache key"):
         launch_cache.arg_key("x")
