@@ -108,7 +108,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         if any(v is inspect.Parameter.empty for v in tail):
             return  # a parameter Triton bound some other way: keep the usual path for it
         if len(_entries) >= MAX_ENTRIES:
-            del _entries[next(iter(_entries))]  # the oldest; it costs one bound launch if it comes back
+            try:  # the oldest; it costs one bound launch if it comes back
+                _entries.pop(next(iter(_entries)), None)
+            except (RuntimeError, StopIteration):  # another thread changed the dict meanwhile
+                pass
         _entries[key] = (compiled, tail)
         return
     compiled, tail = hit
