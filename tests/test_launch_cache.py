@@ -156,9 +156,23 @@ def test_kernel_that_returns_nothing_is_not_kept(cpu_cache):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append(grid)
 
+    fake = _Fake()
     for _ in range(3):
-        launch_cache.launch(_Fake(), (2,), (torch.zeros(4), 3), {})
+        launch_cache.launch(fake, (2,), (torch.zeros(4), 3), {})
     assert seen == [(2,)] * 3
+    # Remembered as a usual-path specialisation: later launches bind again without a new look.
+    assert list(launch_cache._entries.values()) == [launch_cache._USUAL]
+
+
+def test_parameter_without_value_keeps_the_usual_path(cpu_cache):
+    """A constexpr neither given nor defaulted (Triton would reject the launch or bind it some
+    other way) is not guessed: the specialisation keeps going through ``fn[grid]``."""
+    k = _Kernel()
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    for _ in range(3):
+        launch_cache.launch(k, (1,), (buf, 32, 48, 0.5), dict(num_warps=4))  # BLOCK missing
+    assert [e[0] for e in k.log] == ["bound"] * 3
+    assert launch_cache.bound_tail(k, 4, dict(BLOCK=8, num_warps=4)) == (8, True, 3)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ and 3.9) on CPU (tests/test_launch_cache.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Any
@@ -47,6 +48,8 @@ DEVICE_TYPES = ("cuda",)
 _I32 = 2**31
 _U63 = 2**63
 _entries: dict = {}
+#: What a specialisation that cannot be relaunched is kept as: its launches take the usual path.
+_USUAL = ("usual path",)
 
 
 def current_device() -> int:
@@ -84,6 +87,22 @@ def args_key(args: tuple) -> tuple:
                   else arg_key(a) for a in args])
 
 
+@functools.lru_cache(maxsize=256)
+def _params(py_fn) -> tuple:
+    """(name, default) of each parameter of a kernel's Python function ``py_fn`` in order (read
+    once per kernel; keyed by the function object, since hashing a JITFunction computes its
+    cache key, which the interpreter's kernels cannot)."""
+    return tuple((p.name, p.default) for p in inspect.signature(py_fn).parameters.values())
+
+
+def bound_tail(fn, num_args: int, consts: dict) -> tuple:
+    """The values Triton's launcher takes after the ``num_args`` leading runtime arguments of
+    ``fn``: each later parameter from ``consts`` or its default (``inspect.Parameter.empty``
+    where it has neither). Launch options in ``consts`` (``num_warps``) are no parameters and
+    are ignored."""
+    return tuple(consts[n] if n in consts else d for n, d in _params(fn.fn)[num_args:])
+
+
 def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``; after the first launch of a specialisation, the compiled
     kernel is launched directly. ``args``: the kernel's leading parameters, positional;
@@ -101,18 +120,22 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     if hit is None:
         compiled = fn[grid](*args, **kwargs)
-        if compiled is None or not hasattr(compiled, "__getitem__") or hasattr(compiled, "result"):
-            return  # not a compiled kernel that can be relaunched (e.g. one still compiling)
-        params = list(inspect.signature(fn.fn).parameters.values())[len(args):]
-        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
-        if any(v is inspect.Parameter.empty for v in tail):
-            return  # a parameter Triton bound some other way: keep the usual path for it
+        if hasattr(compiled, "result"):
+            return  # still compiling (a future): kept once a later launch returns the kernel
+        tail = bound_tail(fn, len(args), kwargs)
+        relaunchable = (compiled is not None and hasattr(compiled, "__getitem__")
+                        and all(v is not inspect.Parameter.empty for v in tail))
+        # Otherwise: nothing to relaunch, or a parameter Triton bound some other way.
+        entry: tuple = (compiled, tail) if relaunchable else _USUAL
         if len(_entries) >= MAX_ENTRIES:
             try:  # the oldest; it costs one bound launch if it comes back
                 _entries.pop(next(iter(_entries)), None)
             except (RuntimeError, StopIteration):  # another thread changed the dict meanwhile
                 pass
-        _entries[key] = (compiled, tail)
+        _entries[key] = entry
+        return
+    if hit is _USUAL:
+        fn[grid](*args, **kwargs)
         return
     compiled, tail = hit
     compiled[(tuple(grid) + (1, 1))[:3]](*args, *tail)  # Triton's launcher takes three grid sizes

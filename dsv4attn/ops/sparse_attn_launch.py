@@ -523,14 +523,7 @@ def _k_stage_offset(ttgir: str) -> int:
 def _bound_values(kernel, args: tuple, consts: dict) -> list:
     """Every parameter of ``kernel`` in order (runtime ``args``, then constexprs from ``consts``
     or their defaults), as Triton's launcher takes them."""
-    import inspect
-
-    params = inspect.signature(kernel.fn).parameters
-    names = list(kernel.arg_names)
-    vals = list(args)
-    for name in names[len(args):]:
-        vals.append(consts[name] if name in consts else params[name].default)
-    return vals
+    return [*args, *launch_cache.bound_tail(kernel, len(args), consts)]
 
 
 def _pipe_worth_it(sets: Sequence[CandidateSet], cfg: KernelConfig) -> bool:
