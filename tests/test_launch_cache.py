@@ -147,18 +147,21 @@ def test_disabled_and_cpu_tensors_take_the_usual_path(cpu_cache, monkeypatch):
     assert [e[0] for e in k.log] == ["bound"] * 4
 
 
-def test_kernel_that_returns_nothing_is_not_kept(cpu_cache):
+@pytest.mark.parametrize("has_fn", [True, False], ids=["jit-like", "no-python-function"])
+def test_kernel_that_returns_nothing_is_not_kept(cpu_cache, has_fn):
+    """A launch that returns no compiled kernel is not kept, whether or not ``fn`` has a Python
+    function to read (the dispatch tests' stand-ins for the sm90 kernels have none)."""
     seen = []
 
     class _Fake:
-        fn = staticmethod(lambda x_ptr, n: None)
-
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append(grid)
 
     fake = _Fake()
+    if has_fn:
+        fake.fn = lambda x_ptr, n: None
     for _ in range(3):
-        launch_cache.launch(fake, (2,), (torch.zeros(4), 3), {})
+        launch_cache.launch(fake, (2,), (torch.zeros(4), 3), {"BLOCK": 4})
     assert seen == [(2,)] * 3
     # Remembered as a usual-path specialisation: later launches bind again without a new look.
     assert list(launch_cache._entries.values()) == [launch_cache._USUAL]

@@ -122,11 +122,13 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         compiled = fn[grid](*args, **kwargs)
         if hasattr(compiled, "result"):
             return  # still compiling (a future): kept once a later launch returns the kernel
-        tail = bound_tail(fn, len(args), kwargs)
-        relaunchable = (compiled is not None and hasattr(compiled, "__getitem__")
-                        and all(v is not inspect.Parameter.empty for v in tail))
-        # Otherwise: nothing to relaunch, or a parameter Triton bound some other way.
-        entry: tuple = (compiled, tail) if relaunchable else _USUAL
+        # Nothing to relaunch (no compiled kernel returned, or ``fn`` is no JITFunction: a test's
+        # stand-in), or a parameter Triton bound some other way: the usual path from now on.
+        entry: tuple = _USUAL
+        if compiled is not None and hasattr(compiled, "__getitem__") and hasattr(fn, "fn"):
+            tail = bound_tail(fn, len(args), kwargs)
+            if all(v is not inspect.Parameter.empty for v in tail):
+                entry = (compiled, tail)
         if len(_entries) >= MAX_ENTRIES:
             try:  # the oldest; it costs one bound launch if it comes back
                 _entries.pop(next(iter(_entries)), None)
