@@ -28,6 +28,22 @@ _skip_off_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU 
 def needs_hopper(fn):
     return pytest.mark.gpu(_skip_off_hopper(fn))
 
+
+@pytest.fixture(autouse=True)
+def _launches_through_the_cache(monkeypatch, device):
+    """Every launch here goes through :mod:`dsv4attn.ops.launch_cache` as it does on a GPU, on
+    CPU too: the dispatch tests' stand-in kernels (no Python function, nothing returned) first
+    met the cache on the H200, where it failed on them."""
+    from dsv4attn.ops import launch_cache
+
+    monkeypatch.setattr(launch_cache, "ENABLED", True)
+    monkeypatch.setattr(launch_cache, "DEVICE_TYPES", (device.type,))
+    if device.type == "cpu":
+        monkeypatch.setattr(launch_cache, "current_device", lambda: 0)
+    launch_cache.clear()
+    yield
+    launch_cache.clear()
+
 # (id, num_heads, num_tokens, set specs, num_splits, sink kind, num_reqs)
 CASES = [
     ("h64-idx+idx", 64, 6, [SetSpec("indices", True, 64, 512), SetSpec("indices", True, 64, 128)], 1, "finite", 3),
