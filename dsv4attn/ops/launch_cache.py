@@ -122,10 +122,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         compiled = fn[grid](*args, **kwargs)
         if hasattr(compiled, "result"):
             return  # still compiling (a future): kept once a later launch returns the kernel
-        # Nothing to relaunch (no compiled kernel returned, or ``fn`` is no JITFunction: a test's
-        # stand-in), or a parameter Triton bound some other way: the usual path from now on.
+        # Nothing to relaunch (no compiled kernel returned), or a parameter Triton bound some
+        # other way: the usual path from now on. The signature is read only for a kernel to keep.
         entry: tuple = _USUAL
-        if compiled is not None and hasattr(compiled, "__getitem__") and hasattr(fn, "fn"):
+        if compiled is not None and hasattr(compiled, "__getitem__"):
             tail = bound_tail(fn, len(args), kwargs)
             if all(v is not inspect.Parameter.empty for v in tail):
                 entry = (compiled, tail)
