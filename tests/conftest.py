@@ -51,3 +51,18 @@ def _kernel_config_overrides():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sparse_attn_launch, "kernel_config", patched)
         yield
+
+
+@pytest.fixture
+def launches_through_cache(monkeypatch):
+    """Every launch through :mod:`dsv4attn.ops.launch_cache` goes through the cache, launches on
+    CPU tensors too (stand-in kernels, the interpreter), as attention launches do on a GPU."""
+    from dsv4attn.ops import launch_cache
+
+    monkeypatch.setattr(launch_cache, "ENABLED", True)
+    monkeypatch.setattr(launch_cache, "DEVICE_TYPES", ("cpu", "cuda"))
+    if not HAS_CUDA:
+        monkeypatch.setattr(launch_cache, "current_device", lambda: 0)
+    launch_cache.clear()
+    yield
+    launch_cache.clear()

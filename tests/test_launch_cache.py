@@ -90,13 +90,8 @@ class _Kernel:
 
 
 @pytest.fixture
-def cpu_cache(monkeypatch):
-    monkeypatch.setattr(launch_cache, "ENABLED", True)
-    monkeypatch.setattr(launch_cache, "DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(launch_cache, "current_device", lambda: 0)
-    launch_cache.clear()
-    yield
-    launch_cache.clear()
+def cpu_cache(launches_through_cache, monkeypatch):
+    monkeypatch.setattr(launch_cache, "current_device", lambda: 0)  # CPU tensors: no CUDA device asked
 
 
 def test_relaunch_skips_the_binding(cpu_cache):

@@ -29,20 +29,9 @@ def needs_hopper(fn):
     return pytest.mark.gpu(_skip_off_hopper(fn))
 
 
-@pytest.fixture(autouse=True)
-def _launches_through_the_cache(monkeypatch, device):
-    """Every launch here goes through :mod:`dsv4attn.ops.launch_cache` as it does on a GPU, on
-    CPU too: the dispatch tests' stand-in kernels (no Python function, nothing returned) first
-    met the cache on the H200, where it failed on them."""
-    from dsv4attn.ops import launch_cache
-
-    monkeypatch.setattr(launch_cache, "ENABLED", True)
-    monkeypatch.setattr(launch_cache, "DEVICE_TYPES", (device.type,))
-    if device.type == "cpu":
-        monkeypatch.setattr(launch_cache, "current_device", lambda: 0)
-    launch_cache.clear()
-    yield
-    launch_cache.clear()
+# Every launch here goes through the launch cache as on a GPU, on CPU too: the dispatch tests'
+# stand-in kernels (no Python function, nothing returned) first met the cache on the H200.
+pytestmark = pytest.mark.usefixtures("launches_through_cache")
 
 # (id, num_heads, num_tokens, set specs, num_splits, sink kind, num_reqs)
 CASES = [
