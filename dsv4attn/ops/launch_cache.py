@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from dsv4attn.ops import call_plan
+
 #: Relaunch compiled kernels directly (False: every launch through ``fn[grid](...)``).
 #: ``DSV4ATTN_LAUNCH_CACHE=0`` in the environment turns it off for the process.
 ENABLED = os.environ.get("DSV4ATTN_LAUNCH_CACHE", "1") != "0"
@@ -58,8 +60,9 @@ def current_device() -> int:
 
 
 def clear() -> None:
-    """Forget every kept kernel (tests)."""
+    """Forget every kept kernel (tests), and the call plans that launch them."""
     _entries.clear()
+    call_plan.clear()
 
 
 def arg_key(a: Any) -> Any:
@@ -106,9 +109,11 @@ def bound_tail(fn, num_args: int, consts: dict) -> tuple:
 def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``fn[grid](*args, **kwargs)``; after the first launch of a specialisation, the compiled
     kernel is launched directly. ``args``: the kernel's leading parameters, positional;
-    ``kwargs``: constexprs and the launch options (``num_warps``, ``num_stages``)."""
+    ``kwargs``: constexprs and the launch options (``num_warps``, ``num_stages``). A call plan
+    being recorded (:mod:`dsv4attn.ops.call_plan`) is told of each launch."""
     first = args[0] if args else None
     if not ENABLED or not isinstance(first, torch.Tensor) or first.device.type not in DEVICE_TYPES:
+        call_plan.not_plannable()
         fn[grid](*args, **kwargs)
         return
     try:
@@ -116,11 +121,13 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         key = (fn, current_device(), tuple(kwargs.items()), args_key(args))
         hit = _entries.get(key)  # the key's one hash on a relaunch
     except TypeError:  # an argument the key does not cover: the usual path
+        call_plan.not_plannable()
         fn[grid](*args, **kwargs)
         return
     if hit is None:
         compiled = fn[grid](*args, **kwargs)
         if hasattr(compiled, "result"):
+            call_plan.not_plannable()
             return  # still compiling (a future): kept once a later launch returns the kernel
         # Nothing to relaunch (no compiled kernel returned), or a parameter Triton bound some
         # other way: the usual path from now on. The signature is read only for a kernel to keep.
@@ -135,9 +142,16 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
             except (RuntimeError, StopIteration):  # another thread changed the dict meanwhile
                 pass
         _entries[key] = entry
+        if entry is _USUAL:
+            call_plan.not_plannable()
+        elif call_plan.active():
+            call_plan.note_launch(entry[0], grid, [*args, *entry[1]])
         return
     if hit is _USUAL:
+        call_plan.not_plannable()
         fn[grid](*args, **kwargs)
         return
     compiled, tail = hit
+    if call_plan.active():
+        call_plan.note_launch(compiled, grid, [*args, *tail])
     compiled[(tuple(grid) + (1, 1))[:3]](*args, *tail)  # Triton's launcher takes three grid sizes

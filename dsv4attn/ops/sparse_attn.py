@@ -17,6 +17,7 @@ import torch
 
 from dsv4attn._checks import check_tensor
 from dsv4attn.device import resolve_impl
+from dsv4attn.ops import call_plan, launch_cache
 from dsv4attn.ops.candidate_set import CandidateSet, check_candidate_set
 from dsv4attn.ops.sparse_attn_launch import common_layout, launch, set_layout
 
@@ -93,6 +94,16 @@ def sparse_mla_forward(
     Triton path runs without split-KV (``num_splits`` must then be None or 1); otherwise it is
     ``None``. Same validation and arguments as the op (the FlashMLA entry points and the op
     both call this; its reference is ``sparse_mla_forward_ref``)."""
+    key = plan_key("sparse_mla_forward", q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max,
+                   prefill, deterministic)
+    if key is not None:
+        try:
+            plan = call_plan.get(key)
+        except TypeError:  # something unhashable (a bad layout): the checks below name it
+            plan = key = None
+        if plan is not None:
+            res = plan.run(plan_roles(q, sets, attn_sink, out))
+            return res[0], res[1], res[2]
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     if not 1 <= num_heads <= MAX_HEADS:
@@ -124,24 +135,78 @@ def sparse_mla_forward(
     if want_max and num_splits not in (None, 1):
         raise ValueError(f"want_max needs num_splits None or 1 (max logits are not split), got {num_splits!r}")
     path = _resolve_impl(impl, device)
-    # What the kernels read as flat int32 / fp32 vectors must be dense (a strided view would be
-    # read as if it were not); no-ops for the usual contiguous tensors.
-    sets = [_dense(s) for s in sets]
-    if attn_sink is not None and not attn_sink.is_contiguous():
-        attn_sink = attn_sink.contiguous()
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
     if path == "reference":
         from dsv4attn.reference.sparse_attn import sparse_mla_forward_ref
 
+        sets = [_dense(s) for s in sets]
+        if attn_sink is not None and not attn_sink.is_contiguous():
+            attn_sink = attn_sink.contiguous()
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
         return sparse_mla_forward_ref(q, sets, float(softmax_scale), attn_sink, out, want_max)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    max_logits = torch.empty_like(lse) if want_max else None
+    # What the kernels read as flat int32 / fp32 vectors must be dense (a strided view would be
+    # read as if it were not); no-ops for the usual contiguous tensors.
+    dense = [_dense(s) for s in sets]
+    if key is not None and num_tokens > 0 and all(d is s for d, s in zip(dense, sets)) and (
+            attn_sink is None or attn_sink.is_contiguous()):
+        # Nothing copied: the kernels see the caller's own tensors, so a plan can replay them.
+        with call_plan.recording(plan_roles(q, sets, attn_sink, out)) as rec:
+            res = _allocate_and_launch(q, sets, float(softmax_scale), attn_sink, out, num_splits, want_max,
+                                       prefill, deterministic, lay)
+            call_plan.finish(rec, key, res, device)
+        return res
+    if attn_sink is not None and not attn_sink.is_contiguous():
+        attn_sink = attn_sink.contiguous()
+    return _allocate_and_launch(q, dense, float(softmax_scale), attn_sink, out, num_splits, want_max, prefill,
+                                deterministic, lay)
+
+
+def _allocate_and_launch(q, sets, softmax_scale, attn_sink, out, num_splits, want_max, prefill, deterministic,
+                         lay) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The Triton path on validated inputs: out (unless given), lse, max logits, then the kernels."""
+    num_tokens, num_heads, head_dim = q.shape
+    device = q.device
+    if out is None:
+        out = call_plan.empty((num_tokens, num_heads, head_dim), q.dtype, device)
+    lse = call_plan.empty((num_tokens, num_heads), torch.float32, device)
+    max_logits = call_plan.empty((num_tokens, num_heads), torch.float32, device) if want_max else None
     if num_tokens == 0:
         return out, lse, max_logits
-    launch(q, sets, float(softmax_scale), attn_sink, out, lse, max_logits, 1 if want_max else num_splits,
-            prefill=prefill, deterministic=deterministic, layout=lay)
+    launch(q, sets, softmax_scale, attn_sink, out, lse, max_logits, 1 if want_max else num_splits,
+           prefill=prefill, deterministic=deterministic, layout=lay)
     return out, lse, max_logits
+
+
+def plan_key(entry: str, q: object, sets: object, *scalars: object) -> tuple | None:
+    """The signature (:func:`dsv4attn.ops.call_plan.signature`) of a call of ``entry`` with
+    query ``q``, candidate ``sets`` and the other arguments ``scalars`` (tensors or plain
+    values), or None where no plan can serve it: plans or the launch cache are off, the cache
+    does not serve q's device, or ``sets`` is not a list or tuple of at most two :class:`CandidateSet` (the
+    FlashMLA-compatible entry points pass none and their caches among ``scalars``)."""
+    if not (call_plan.ENABLED and launch_cache.ENABLED) or not isinstance(q, torch.Tensor) or (
+            q.device.type not in launch_cache.DEVICE_TYPES):
+        return None
+    if sets.__class__ not in (list, tuple) or len(sets) > 2:  # type: ignore[arg-type]
+        return None
+    sig = call_plan.signature
+    set_sigs = []
+    for s in sets:  # type: ignore[attr-defined]
+        if s.__class__ is not CandidateSet:
+            return None
+        set_sigs.append((sig(s.layout), sig(s.cache), sig(s.lengths), sig(s.indices), sig(s.block_table),
+                         sig(s.token_to_req), sig(s.starts)))
+    return (entry, launch_cache.current_device(), sets.__class__, sig(q), tuple(set_sigs),
+            *[sig(a) for a in scalars])
+
+
+def plan_roles(q: torch.Tensor, sets: Sequence[CandidateSet], attn_sink: torch.Tensor | None,
+               out: torch.Tensor | None) -> list:
+    """The tensors of a call in the order its plan names them: q, sink, out, then per set its
+    cache, lengths, indices, block table, token_to_req and starts (None where absent)."""
+    roles = [q, attn_sink, out]
+    for s in sets:
+        roles += (s.cache, s.lengths, s.indices, s.block_table, s.token_to_req, s.starts)
+    return roles
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from dsv4attn.device import sm_count
 from dsv4attn.kv_cache.layout import FP8DSMLALayout
-from dsv4attn.ops import launch_cache
+from dsv4attn.ops import call_plan, launch_cache
 from dsv4attn.ops.candidate_set import CandidateSet, layout_for
 
 _INT32_MAX = 2**31 - 1
@@ -349,8 +349,8 @@ def launch(
     if total > 1:
         if max_logits is not None:
             raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = torch.empty(num_tokens * total * num_heads * head_dim, dtype=torch.float32, device=device)
-        part_lse = torch.empty(num_tokens * total * num_heads, dtype=torch.float32, device=device)
+        part_o = call_plan.empty((num_tokens * total * num_heads * head_dim,), torch.float32, device)
+        part_lse = call_plan.empty((num_tokens * total * num_heads,), torch.float32, device)
     else:
         part_o = part_lse = lse
     qk_scale = softmax_scale * kernels.LOG2E
@@ -417,6 +417,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             if not _is_build_failure(e):
                 raise
             _sm90_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
+            call_plan.clear()  # plans made before launch the sm90 kernel
+            call_plan.not_plannable()
             warnings.warn(f"dsv4attn: the sm90 attention kernel could not be built or launched here "
                           f"({_sm90_failures[-1]}); this process uses the portable Triton kernel from now on",
                           RuntimeWarning, stacklevel=2)
@@ -451,12 +453,14 @@ def _launch_cluster(kernel, warps: int, grid: tuple, args: tuple, consts: dict) 
     recompiled if it differs. Returns False (after one warning) where this cannot be done: the
     caller then launches the kernel without the cluster, which raises again if the arguments
     were at fault."""
+    call_plan.not_plannable()  # launched here, not through the launch cache
     try:
         ck = _cluster_kernel(kernel, warps, grid, args, consts)
         ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True,
                                                                     K_OFF=_cluster_k_off[0])))
     except Exception as e:  # noqa: BLE001 - any failure here falls back to one CTA per tile
         _cluster_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
+        call_plan.clear()
         warnings.warn(f"dsv4attn: the two-CTA cluster attention kernel could not be built or launched here "
                       f"({_cluster_failures[-1]}); this process runs h128 as two CTAs per token",
                       RuntimeWarning, stacklevel=3)

@@ -1,0 +1,201 @@
+"""Plans of repeated attention calls: validation and launch set-up once per call signature.
+
+An eager decode call is host-bound at small batches: after the launch cache
+(:mod:`dsv4attn.ops.launch_cache`) most of its host time is this library's own Python, i.e.
+validating ~10 tensors, resolving layouts and the kernel config, and assembling 60-argument
+launch lists (docs/design.md, "Host overhead"). All of that is a pure function of what a
+:func:`signature` holds (per tensor: class, dtype, device, shape, strides and the low 4 bits of
+its address; the scalar arguments with their types): two calls with equal signatures pass or
+fail the same checks and launch the same kernels with the same integer arguments, on other
+addresses.
+
+So an entry point (:func:`dsv4attn.ops.sparse_attn.sparse_mla_forward`, the FlashMLA-compatible
+functions) takes its checked path the first time a signature comes, and meanwhile
+:func:`recording` notes what that path allocates (:func:`empty`) and launches (the launch
+cache reports each launch). If every launch went to a compiled kernel and every tensor argument
+was one of the call's own tensors (its ``roles``: q, sink, out, the sets' tensors, in an order
+each entry point fixes) or one it allocated, the result is a :class:`CallPlan` kept under the
+signature. Later calls with that signature run the plan: the same allocations, then each kernel
+launched with the new tensors' addresses in the same argument positions. Nothing is kept for a
+call whose checks failed, so a plan's signature is one that passed them.
+
+The plans follow the launch cache: on when it is on, forgotten when it is cleared or when a
+kernel falls back (``dsv4attn.ops.sparse_attn_launch`` clears them then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+#: Use plans (False: every call takes the checked path; ``scripts/host_overhead.py`` times both).
+#: They are used only while the launch cache is on too.
+ENABLED = True
+#: Plans kept (the oldest dropped first); a serving process meets a few per entry point.
+MAX_PLANS = 512
+
+_plans: dict = {}
+_local = threading.local()
+
+
+def signature(t: Any) -> Any:
+    """What the checks and launch decisions read of one tensor argument (``None`` stays
+    ``None``): class, dtype, device, shape, strides and the address modulo 16 (alignment
+    checks and Triton's 16-byte specialisation). Other objects are kept as (class, value)."""
+    if isinstance(t, torch.Tensor):
+        return (t.__class__, t.dtype, t.device, t.shape, t.stride(), t.data_ptr() & 15)
+    return None if t is None else (t.__class__, t)
+
+
+def get(key: Any) -> Any:
+    """What :func:`keep` kept under ``key`` (None if nothing); ``TypeError`` for an
+    unhashable key."""
+    return _plans.get(key)
+
+
+def clear() -> None:
+    """Forget every plan (the launch cache's ``clear`` and kernel fallbacks call this)."""
+    _plans.clear()
+
+
+class CallPlan:
+    """The allocations and launches of one call signature, replayed on new tensors.
+
+    ``allocs``: ``(shape, dtype)`` of each tensor the call allocates, on the call's device,
+    appended to the roles in order; ``launches``: per kernel launch the launcher Triton's
+    compiled kernel returns for its grid, the argument list with the tensor positions blank,
+    and ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
+    ``role_ptrs``: the recording call's role addresses (a wrapper checks its own roles against
+    them before it keeps this plan under its own signature)."""
+
+    __slots__ = ("allocs", "launches", "outputs", "role_ptrs", "device")
+
+    def __init__(self, allocs: tuple, launches: tuple, outputs: tuple, role_ptrs: tuple,
+                 device: torch.device) -> None:
+        self.allocs, self.launches, self.outputs = allocs, launches, outputs
+        self.role_ptrs, self.device = role_ptrs, device
+
+    def run(self, roles: list) -> list:
+        """Allocate, launch every kernel on ``roles`` (the call's tensors in the order its
+        entry point fixes, ``None`` where absent) and return the output tensors (``None``
+        where the call returns none)."""
+        device = self.device
+        tensors = roles + [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
+        ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+        for runner, template, slots in self.launches:
+            args = template.copy()
+            for pos, role in slots:
+                args[pos] = ptrs[role]
+            runner(*args)
+        return [None if i is None else tensors[i] for i in self.outputs]
+
+
+class _Recording:
+    def __init__(self, roles: Sequence) -> None:
+        self.roles = list(roles)
+        self.allocs: list = []
+        self.launches: list = []
+        self.ok = True
+
+
+@contextlib.contextmanager
+def recording(roles: Sequence) -> Iterator[_Recording]:
+    """Note what this thread's call allocates and launches inside the block; ``roles``: its
+    tensors in the entry point's order. :func:`finish` makes the plan."""
+    rec = _Recording(roles)
+    _local.rec = rec
+    try:
+        yield rec
+    finally:
+        _local.rec = None
+
+
+def take_last() -> CallPlan | None:
+    """The plan the last :func:`finish` on this thread made (None if it made none), once."""
+    plan, _local.last = getattr(_local, "last", None), None
+    return plan
+
+
+def active() -> bool:
+    """Whether a recording is under way on this thread (the launch cache asks before noting)."""
+    return getattr(_local, "rec", None) is not None
+
+
+def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, noted by a recording under way."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.allocs.append((tuple(shape), dtype, t))
+    return t
+
+
+def note_launch(compiled: Any, grid: tuple, args: Sequence) -> None:
+    """A launch of ``compiled`` (a compiled kernel whose ``[grid]`` gives its launcher; None:
+    launched some other way, so nothing can be planned) with every argument it takes, in order."""
+    rec = getattr(_local, "rec", None)
+    if rec is None:
+        return
+    if compiled is None:
+        rec.ok = False
+        return
+    rec.launches.append((compiled, (tuple(grid) + (1, 1))[:3], list(args)))
+
+
+def not_plannable() -> None:
+    """The call under way does something a plan cannot replay (e.g. a launch outside the cache)."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.ok = False
+
+
+def finish(rec: _Recording, key: Any, outputs: Sequence, device: torch.device) -> CallPlan | None:
+    """End ``rec``; keep and return its plan under ``key`` when the call can be replayed
+    (``outputs``: the tensors the call returns, ``None`` where absent), else None. The plan is
+    also what :func:`take_last` returns next."""
+    _local.rec = None
+    _local.last = plan = _plan(rec, outputs, device)
+    if plan is not None:
+        keep(key, plan)
+    return plan
+
+
+def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan | None:
+    if not rec.ok or not rec.launches:
+        return None
+    tensors = rec.roles + [t for _, _, t in rec.allocs]
+    where = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    launches = []
+    for compiled, grid, args in rec.launches:
+        template, slots = [], []
+        for pos, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                role = where.get(id(a))
+                if role is None:  # a tensor the plan could not name again (a copy, a scratch)
+                    return None
+                slots.append((pos, role))
+                a = 0
+            template.append(a)
+        launches.append((compiled[grid], template, tuple(slots)))
+    outs = []
+    for t in outputs:
+        if t is not None and id(t) not in where:
+            return None
+        outs.append(None if t is None else where[id(t)])
+    return CallPlan(tuple((shape, dtype) for shape, dtype, _ in rec.allocs), tuple(launches), tuple(outs),
+                    tuple(0 if t is None else t.data_ptr() for t in rec.roles), device)
+
+
+def keep(key: Any, plan: Any) -> None:
+    """Keep ``plan`` (a :class:`CallPlan`, or an entry point's own record around one) under
+    ``key``, dropping the oldest beyond :data:`MAX_PLANS`."""
+    if len(_plans) >= MAX_PLANS:
+        try:
+            _plans.pop(next(iter(_plans)), None)
+        except (RuntimeError, StopIteration):  # another thread changed the dict meanwhile
+            pass
+    _plans[key] = plan
