@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4attn._checks import check_tensor
+from dsv4attn.ops import call_plan
 from dsv4attn.ops.candidate_set import CandidateSet
-from dsv4attn.ops.sparse_attn import sparse_mla_forward
+from dsv4attn.ops.sparse_attn import plan_key, sparse_mla_forward
 from dsv4attn.ops.sparse_attn_launch import kernel_config
 
 
@@ -115,6 +116,22 @@ def flash_mla_with_kvcache(
     seq_len_q)`` fp32 (natural log, +inf for rows without a valid candidate; the sink does not
     change lse). Dense mode (``indices=None``) and ``causal=True`` raise ``ValueError``.
     """
+    key = plan_key("flash_mla_with_kvcache", q, [], k_cache, indices, attn_sink, extra_k_cache,
+                   extra_indices_in_kvcache, topk_length, extra_topk_length, out, head_dim_v,
+                   tile_scheduler_metadata.__class__, num_splits, softmax_scale, causal, is_fp8_kvcache, impl)
+    roles = [q, attn_sink, out, k_cache, topk_length, indices, None, None, None]
+    if extra_k_cache is not None:
+        roles += [extra_k_cache, extra_topk_length, extra_indices_in_kvcache, None, None, None]
+    if key is not None:
+        kept = _kept(key)
+        meta = tile_scheduler_metadata
+        if kept is not None and (not meta.have_initialized or meta.config == kept[1]):
+            plan, config, splits = kept
+            res, lse, _ = plan.run(roles)
+            if not meta.have_initialized:
+                meta.have_initialized, meta.config = True, config
+                meta.num_splits = torch.tensor([splits], dtype=torch.int32)
+            return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
     if indices is None:
         raise ValueError("flash_mla_with_kvcache: only sparse mode (indices given) is implemented; "
                          "dense paged MLA is not part of dsv4attn")
@@ -146,20 +163,54 @@ def flash_mla_with_kvcache(
                          "use one get_mla_metadata() object per shape")
     dst = _out_view("out", out, (batch, s_q, num_heads, head_dim_v), head_dim, device)
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    call_plan.take_last()
     res, lse, _ = sparse_mla_forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
                                      None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl)
-    if not meta.have_initialized:  # bound only once a call has passed validation
+    copied = out is not None and dst is None  # out cannot be written in place
+    if not meta.have_initialized or (key is not None and not copied):
         widths = sum(s.indices.shape[1] for s in sets if s.indices is not None)  # all in indices form
-        k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
-        meta.have_initialized, meta.config = True, config
-        meta.num_splits = torch.tensor([k], dtype=torch.int32)
+        splits = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
+        if not meta.have_initialized:  # bound only once a call has passed validation
+            meta.have_initialized, meta.config = True, config
+            meta.num_splits = torch.tensor([splits], dtype=torch.int32)
+        if not copied:
+            _keep_if_same_tensors(key, roles, (config, splits))
+    if out is not None and copied:
+        out.copy_(_with_kvcache_outputs(res, lse, q.shape, head_dim_v)[0])
+        return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
+    return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
+
+
+def _with_kvcache_outputs(res: torch.Tensor, lse: torch.Tensor, q_shape: torch.Size,
+                          head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_mla_with_kvcache``'s outputs from the op's ``[tokens, heads, head_dim]`` out and
+    ``[tokens, heads]`` lse: ``(batch, s_q, heads, head_dim_v)`` and ``(batch, heads, s_q)``."""
+    batch, s_q, num_heads, head_dim = q_shape
     res = res.view(batch, s_q, num_heads, head_dim)
     if head_dim_v != head_dim:
         res = res[..., :head_dim_v]
-    if out is not None and dst is None:
-        out.copy_(res)
-        res = out
     return res, lse.view(batch, s_q, num_heads).transpose(1, 2)
+
+
+def _kept(key: tuple) -> tuple | None:
+    """What :func:`_keep_if_same_tensors` kept under ``key`` (None for an unhashable key)."""
+    try:
+        return call_plan.get(key)
+    except TypeError:
+        return None
+
+
+def _keep_if_same_tensors(key: tuple | None, roles: list, extra: tuple) -> None:
+    """Keep the plan the inner :func:`sparse_mla_forward` call just made under this entry
+    point's ``key``, with ``extra`` values, when it can be run on this entry point's own
+    tensors: each of ``roles`` is at the address the op saw in that role (the op received views
+    of them, not copies). Equal signatures give equal answers, so the check holds for every
+    later call with this key."""
+    plan = call_plan.take_last()
+    if key is None or plan is None:
+        return
+    if tuple(0 if t is None else t.data_ptr() for t in roles) == plan.role_ptrs:
+        call_plan.keep(key, (plan, *extra))
 
 
 def _out_view(name: str, out: torch.Tensor | None, shape: tuple, head_dim: int, device) -> torch.Tensor | None:
@@ -200,6 +251,14 @@ def flash_mla_sparse_fwd(
     ``lse [s_q, num_heads]`` fp32 (natural log; +inf for empty rows). ``indexer_topk`` must be 0.
     ``out``: optional preallocated ``[s_q, num_heads, d_v]`` bf16 output (vLLM passes one).
     """
+    key = plan_key("flash_mla_sparse_fwd", q, [], kv, indices, sm_scale, d_v, attn_sink, topk_length, indexer_topk,
+                   out, impl)
+    roles = [q, attn_sink, out, kv, topk_length, indices, None, None, None]
+    if key is not None:
+        kept = _kept(key)
+        if kept is not None:
+            res, lse, max_logits = kept[0].run(roles)
+            return (res if d_v == q.shape[2] else res[..., :d_v]), max_logits, lse
     if indexer_topk != 0:
         raise ValueError(f"indexer_topk must be 0 (the indexer-lse output is not implemented), got {indexer_topk!r}")
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
@@ -222,11 +281,13 @@ def flash_mla_sparse_fwd(
     # kv as bf16 pages of one entry each: slot = row, capacity = s_kv (>= s_kv is invalid).
     dst = _out_view("out", out, (s_q, num_heads, d_v), d_qk, q.device)
     cset = CandidateSet(cache=kv, lengths=lengths, indices=indices.select(1, 0))
+    call_plan.take_last()
     res, lse, max_logits = sparse_mla_forward(q, [cset], float(sm_scale), attn_sink, dst, impl, want_max=True)
     assert max_logits is not None  # want_max=True
     if d_v != d_qk:
         res = res[..., :d_v]
     if out is not None and dst is None:
         out.copy_(res)
-        res = out
+        return out, max_logits, lse
+    _keep_if_same_tensors(key, roles, ())
     return res, max_logits, lse
