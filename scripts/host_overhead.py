@@ -11,7 +11,8 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
   launcher included) with the device synchronised once before and once after the timed loop,
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
   time only while the host is slower than the kernels (small batches). Each entry point is
-  timed with :mod:`dsv4attn.ops.launch_cache` on and then off.
+  timed three ways: call plans (:mod:`dsv4attn.ops.call_plan`) and the launch cache
+  (:mod:`dsv4attn.ops.launch_cache`) on, the default; the launch cache alone; neither.
 
 Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
 calls each (the minimum is the figure to compare on a loaded machine).
@@ -147,16 +148,17 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    from dsv4attn.ops import launch_cache
+    from dsv4attn.ops import call_plan, launch_cache
 
-    default = launch_cache.ENABLED
+    defaults = launch_cache.ENABLED, call_plan.ENABLED
+    # plans + launch cache (the default) | the launch cache alone | neither (Triton binds every launch)
+    modes = [("plans on ", True, True), ("plans off", True, False), ("cache off", False, False)]
     for name, fn in calls.items():
-        for cached in (True, False) if device.type == "cuda" else (True,):
-            launch_cache.ENABLED = cached  # off: every launch binds its arguments in Triton
+        for tag, cached, planned in modes if device.type == "cuda" else modes[1:2]:  # CPU: no plan or cache
+            launch_cache.ENABLED, call_plan.ENABLED = cached, planned
             med, best = time_us(fn, device, args.calls, args.repeats)
-            tag = "" if device.type != "cuda" else ("  launch cache on " if cached else "  launch cache off")
-            print(f"{name:24s}{tag} median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
-    launch_cache.ENABLED = default
+            print(f"{name:24s}  {tag}  median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
+    launch_cache.ENABLED, call_plan.ENABLED = defaults
 
 
 if __name__ == "__main__":

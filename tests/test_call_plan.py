@@ -1,0 +1,386 @@
+"""Call plans (:mod:`dsv4attn.ops.call_plan`): a call served by a plan launches exactly what the
+checked path launches for the same inputs, and bad input is still refused after a plan exists.
+
+On CPU the kernels are stand-ins that log each launch (every argument, in Triton's launcher
+order) and the launch cache serves CPU tensors (``launches_through_cache``). A launch is
+compared in canonical form: each tensor argument (a tensor on the checked path, an address on a
+planned one) named by the call's tensor at that address (``q``, ``sets[0].cache``, ...) or, for
+memory the call allocated, by allocation order; every other argument as is. The GPU tests at the
+end compare a planned call's outputs with the checked path's, bit for bit, on the real kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dsv4attn
+from dsv4attn.ops import call_plan, launch_cache
+from dsv4attn.ops import sparse_attn as sa
+from dsv4attn.ops import sparse_attn_launch as sl
+from dsv4attn.ops.candidate_set import CandidateSet
+from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SetSpec, build_set
+
+pytestmark = pytest.mark.usefixtures("launches_through_cache")
+HAS_CUDA = torch.cuda.is_available()
+
+
+class _Compiled:
+    """A compiled kernel: ``[grid]`` gives a launcher that logs its arguments."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __getitem__(self, grid):
+        def run(*args):
+            self.log.append((tuple(grid), args))
+        return run
+
+
+class _StandIn:
+    """Stands in for a ``@triton.jit`` kernel (the real one's parameters): a bound launch logs
+    what Triton's launcher would get and returns a :class:`_Compiled`."""
+
+    def __init__(self, real, log: list) -> None:
+        self.fn, self.log = real.fn, log
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            tail = launch_cache.bound_tail(self, len(args), kwargs)
+            self.log.append(((tuple(grid) + (1, 1))[:3], (*args, *tail)))
+            return _Compiled(self.log)
+        return run
+
+
+@pytest.fixture(params=["portable", "sm90"])
+def stand_ins(request, monkeypatch):
+    """Stand-ins for every attention kernel; ``sm90``: dispatch takes the Gluon kernels (as on
+    Hopper), whose stand-ins carry their real parameter lists."""
+    from dsv4attn.kernels import sparse_attn as k
+    from dsv4attn.kernels import sparse_attn_prefill as kp
+
+    log: list = []
+    monkeypatch.setattr(k, "_sparse_mla_attn_kernel", _StandIn(k._sparse_mla_attn_kernel, log))
+    monkeypatch.setattr(k, "_sparse_mla_combine_kernel", _StandIn(k._sparse_mla_combine_kernel, log))
+    monkeypatch.setattr(kp, "_sparse_mla_prefill_kernel", _StandIn(kp._sparse_mla_prefill_kernel, log))
+    if request.param == "sm90":
+        real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
+        stand = {ws: (_StandIn(kern, log), warps) for ws, (kern, warps) in real.items()}
+        monkeypatch.setattr(sl, "sm90_kernel_available", lambda dev: True)
+        monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, qreg=False: stand[ws])
+    sl._cached_config.cache_clear()  # configs cached with the other sm90 answer
+    yield log
+    sl._cached_config.cache_clear()
+
+
+def _canonical(log: list, positions: list, named: dict, outputs) -> tuple:
+    """The logged launches with the arguments at tensor ``positions`` named (see the module
+    docstring), and the outputs' names. ``named``: the call's own tensors by name."""
+    by_ptr = {t.data_ptr(): n for n, t in named.items() if isinstance(t, torch.Tensor) and t.numel()}
+    fresh: dict[int, str] = {}
+
+    def name(a) -> str:
+        ptr = a if isinstance(a, int) else a.data_ptr()
+        return by_ptr[ptr] if ptr in by_ptr else fresh.setdefault(ptr, f"new{len(fresh)}")
+
+    launches = tuple((grid, tuple(name(a) if i in pos else a for i, a in enumerate(args)))
+                     for (grid, args), pos in zip(log, positions))
+    return launches, tuple(None if t is None else name(t) for t in outputs)
+
+
+def _planned_equals_checked(make, run, log: list, counter: list) -> None:
+    """Call 1 makes the plan; calls 2-3 (fresh inputs of the same signature) run it, with no
+    check, and each launches what the checked path launches on the same inputs (plans cleared,
+    so the call is checked again)."""
+    run(make())
+    assert counter[0] > 0
+    for _ in range(2):
+        inputs = make()
+        log.clear()
+        counter[0] = 0
+        res = run(inputs)
+        assert counter[0] == 0, "a planned call ran the checks"
+        planned_log = list(log)
+        call_plan.clear()
+        log.clear()
+        res2 = run(inputs)
+        assert counter[0] > 0
+        positions = [{i for i, a in enumerate(args) if isinstance(a, torch.Tensor)} for _, args in log]
+        assert all(positions)
+        assert _canonical(planned_log, positions, inputs, res) == _canonical(log, positions, inputs, res2)
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    """Counts the checked path's set checks (none on a planned call)."""
+    count = [0]
+    real = sa.check_candidate_set
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sa, "check_candidate_set", counting)
+    return count
+
+
+OP_CASES = ["two-fp8-sets", "h128-split", "range+idx-bf16-out", "prefill-shared", "deterministic"]
+
+
+def _op_case(case: str, device):
+    """(make, run) of one ``sparse_mla_attention`` case: ``make()`` gives fresh inputs (copies
+    at new addresses, one signature), ``run(inputs)`` calls the op and returns its outputs."""
+    gen = torch.Generator().manual_seed(len(case))
+    heads = {"prefill-shared": 16, "h128-split": 128}.get(case, 64)
+    specs = {
+        "two-fp8-sets": [SetSpec("indices", True, 64, 200), SetSpec("indices", True, 64, 64)],
+        "h128-split": [SetSpec("indices", True, 64, 300)],
+        "range+idx-bf16-out": [SetSpec("range", False, 16, 120), SetSpec("indices", False, 32, 50)],
+        "prefill-shared": [SetSpec("range", True, 16, 90), SetSpec("indices", True, 16, 40)],
+        "deterministic": [SetSpec("indices", True, 64, 130)],
+    }[case]
+    tokens = 5
+    sets = [build_set(s, tokens, [t * 2 // tokens for t in range(tokens)], PROD_LAYOUT, gen, device).cset
+            for s in specs]
+    q_dtype = torch.float32 if case == "range+idx-bf16-out" else torch.bfloat16
+    q = torch.randn(tokens, heads, PROD_LAYOUT.head_dim, generator=gen).to(q_dtype).to(device)
+    sink = torch.randn(heads, generator=gen).to(device)
+    kw = dict(num_splits=3 if case == "h128-split" else None, prefill=case == "prefill-shared",
+              deterministic=case == "deterministic", impl="triton")
+
+    def make() -> dict:
+        inputs = {"q": q.clone(), "sink": sink.clone(),
+                  "out": torch.empty_like(q) if case == "range+idx-bf16-out" else None}
+        for i, s in enumerate(sets):
+            for f in dataclasses.fields(s):
+                v = getattr(s, f.name)
+                inputs[f"s{i}.{f.name}"] = v.clone() if isinstance(v, torch.Tensor) else v
+        return inputs
+
+    def run(x: dict):
+        ss = [CandidateSet(**{f.name: x[f"s{i}.{f.name}"] for f in dataclasses.fields(CandidateSet)})
+              for i in range(len(sets))]
+        return dsv4attn.sparse_mla_attention(x["q"], ss, 0.05, x["sink"], x["out"], **kw)
+
+    return make, run
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_planned_op_launches_what_the_checked_path_launches(case, stand_ins, counter, device):
+    make, run = _op_case(case, device)
+    _planned_equals_checked(make, run, stand_ins, counter)
+
+
+FLASHMLA_CASES = ["kvcache-two-caches", "kvcache-mtp-lengths", "kvcache-fp8-dtype-out", "kvcache-head-dim-v",
+                  "sparse-fwd", "sparse-fwd-dv-out"]
+
+
+def _flashmla_case(case: str, device):
+    """(make, run, wrapper planned) of one FlashMLA-compatible case (see :func:`_op_case`).
+    Two keep no plan of their own, only their op call is planned: ``kvcache-mtp-lengths`` (s_q
+    2 with per-request lengths, which the op gets repeated per token, a new tensor each call)
+    and ``sparse-fwd-dv-out`` (an out of 448 dims, which the result is copied into)."""
+    gen = torch.Generator().manual_seed(len(case) + 7)
+    s_q = 2 if case == "kvcache-mtp-lengths" else 1
+    batch, heads = 3, 64
+    tokens = batch * s_q
+    a = build_set(SetSpec("indices", True, 64, 150), tokens, [0] * tokens, PROD_LAYOUT, gen, device).cset
+    b = build_set(SetSpec("indices", True, 16, 40), tokens, [0] * tokens, PROD_LAYOUT, gen, device).cset
+    q = torch.randn(tokens, heads, 512, generator=gen).to(torch.bfloat16).to(device)
+    sink = torch.randn(heads, generator=gen).to(device)
+    lens = torch.tensor([150, 7, 0][:batch], dtype=torch.int32, device=device)
+    kv = torch.randn(300, 1, 512, generator=gen).to(torch.bfloat16).to(device)
+    flat_idx = torch.randint(-1, 320, (tokens, 1, 64), generator=gen, dtype=torch.int32).to(device)
+    d_v = 448 if case in ("kvcache-head-dim-v", "sparse-fwd-dv-out") else 512
+    meta = dsv4attn.get_mla_metadata()[0]  # one per shape, shared by the calls (as engines do)
+
+    def make() -> dict:
+        x = {"q": q.clone(), "sink": sink.clone(), "lens": lens.clone(), "a.cache": a.cache.clone(),
+             "a.indices": a.indices.clone(), "b.cache": b.cache.clone(), "b.indices": b.indices.clone(),
+             "kv": kv.clone(), "flat_idx": flat_idx.clone(), "out": None}
+        if case == "kvcache-fp8-dtype-out":
+            x["out"] = torch.empty(batch, s_q, heads, 512, dtype=torch.bfloat16, device=device)
+        if case == "sparse-fwd-dv-out":
+            x["out"] = torch.empty(tokens, heads, d_v, dtype=torch.bfloat16, device=device)
+        return x
+
+    def run(x: dict):
+        if case.startswith("sparse-fwd"):
+            res = dsv4attn.flash_mla_sparse_fwd(x["q"], x["kv"], x["flat_idx"], 0.07, d_v=d_v, attn_sink=x["sink"],
+                                                out=x["out"], impl="triton")
+            return res
+        cache = x["a.cache"].unsqueeze(-2)
+        if case == "kvcache-fp8-dtype-out":
+            cache = cache.view(torch.float8_e4m3fn)
+        two = case in ("kvcache-two-caches", "kvcache-mtp-lengths")
+        return dsv4attn.flash_mla_with_kvcache(
+            x["q"].view(batch, s_q, heads, 512), cache, None, None, d_v, meta, softmax_scale=0.07,
+            is_fp8_kvcache=True, indices=x["a.indices"].view(batch, s_q, -1), attn_sink=x["sink"],
+            extra_k_cache=x["b.cache"].unsqueeze(-2) if two else None,
+            extra_indices_in_kvcache=x["b.indices"].view(batch, s_q, -1) if two else None,
+            topk_length=x["lens"] if case != "kvcache-fp8-dtype-out" else None, out=x["out"], impl="triton")
+
+    return make, run, case not in ("kvcache-mtp-lengths", "sparse-fwd-dv-out")
+
+
+@pytest.fixture
+def wrapper_counter(monkeypatch):
+    """Counts the FlashMLA-compatible entry points' own tensor checks."""
+    from dsv4attn import flashmla_compat
+
+    count = [0]
+    real = flashmla_compat.check_tensor
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flashmla_compat, "check_tensor", counting)
+    return count
+
+
+@pytest.mark.parametrize("case", FLASHMLA_CASES)
+def test_planned_flashmla_calls_launch_what_the_checked_path_launches(case, stand_ins, counter, wrapper_counter,
+                                                                     device):
+    make, run, wrapper_planned = _flashmla_case(case, device)
+    _planned_equals_checked(make, run, stand_ins, counter)
+    # The entry point's own checks are skipped too, unless it cannot keep a plan of its own.
+    wrapper_counter[0] = 0
+    out = run(make())
+    assert (wrapper_counter[0] == 0) is wrapper_planned
+    if case == "kvcache-fp8-dtype-out":
+        assert out[0].shape == (3, 1, 64, 512)
+    if case == "sparse-fwd-dv-out":
+        assert out[0].shape == (3, 64, 448)
+
+
+def test_planned_outputs_have_the_checked_shapes_and_views(stand_ins, device):
+    """A planned call returns what the checked call returns: same shapes, strides, dtypes, and
+    the caller's out itself where one was given."""
+    for case in FLASHMLA_CASES:
+        make, run, _ = _flashmla_case(case, device)
+        call_plan.clear()
+        x = make()
+        checked = run(x)
+        planned = run(x)
+        for c, p in zip(checked, planned):
+            assert (c.shape, c.stride(), c.dtype) == (p.shape, p.stride(), p.dtype), case
+        if x["out"] is not None:
+            assert planned[0].data_ptr() == x["out"].data_ptr()
+
+
+# Each bad variant of a call whose good form has a plan: (what changes, the error).
+BAD_OP_CALLS = [
+    ("prefill=1", TypeError), ("deterministic=0", TypeError), ("softmax_scale=nan", TypeError),
+    ("lengths int64", TypeError), ("q fp16", TypeError), ("cache 2 bytes in", ValueError),
+    ("sets a duck", TypeError), ("sink shape", ValueError), ("out dtype", TypeError), ("num_splits=0", ValueError),
+    ("impl=fast", ValueError), ("indices strided", ValueError),
+]
+
+
+@pytest.mark.parametrize("change,error", BAD_OP_CALLS, ids=[c for c, _ in BAD_OP_CALLS])
+def test_bad_input_is_refused_after_a_plan_exists(change, error, stand_ins, device):
+    """A plan serves only the signature that passed the checks: any other call takes the checked
+    path, which refuses bad input as before (the same error as without a plan)."""
+    gen = torch.Generator().manual_seed(5)
+    s = build_set(SetSpec("indices", True, 64, 100), 4, [0] * 4, PROD_LAYOUT, gen, device).cset
+    q = torch.randn(4, 64, 512, generator=gen).to(torch.bfloat16).to(device)
+    sink = torch.zeros(64, device=device)
+    good = dict(q=q, sets=[s], softmax_scale=0.1, attn_sink=sink, out=None, impl="triton", prefill=False,
+                deterministic=False, num_splits=None)
+
+    class Duck:  # a CandidateSet's fields, but no CandidateSet
+        def __init__(self, s):
+            self.__dict__.update({f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
+
+    wide = torch.full((4, 200), -1, dtype=torch.int32, device=device)
+    wide[:, ::2] = s.indices
+    shifted = torch.empty(s.cache.numel() + 2, dtype=torch.uint8, device=device)[2:].view(s.cache.shape)
+    bad = dict(good)
+    bad.update({
+        "prefill=1": dict(prefill=1), "deterministic=0": dict(deterministic=0),
+        "softmax_scale=nan": dict(softmax_scale=float("nan")),
+        "lengths int64": dict(sets=[dataclasses.replace(s, lengths=s.lengths.long())]),
+        "q fp16": dict(q=q.half()), "cache 2 bytes in": dict(sets=[dataclasses.replace(s, cache=shifted)]),
+        "sets a duck": dict(sets=[Duck(s)]), "sink shape": dict(attn_sink=sink[:32]),
+        "out dtype": dict(out=torch.empty(4, 64, 512, device=device)), "num_splits=0": dict(num_splits=0),
+        "impl=fast": dict(impl="fast"),
+        "indices strided": dict(sets=[dataclasses.replace(s, indices=wide[:, ::2])]),
+    }[change])
+    call = lambda kw: sa.sparse_mla_forward(**kw)  # noqa: E731
+    with pytest.raises(error) as without_plan:
+        call(bad)
+    call(good)
+    call(good)  # planned
+    with pytest.raises(error) as with_plan:
+        call(bad)
+    assert str(with_plan.value) == str(without_plan.value)
+
+
+def test_metadata_bound_to_other_shapes_is_refused_by_a_planned_signature(stand_ins, device):
+    """flash_mla_with_kvcache's metadata rule holds on a planned signature: an object first used
+    with other shapes is refused, a fresh one is bound to the planned shapes."""
+    make, run, _ = _flashmla_case("kvcache-two-caches", device)
+    x = make()
+    run(x)
+    run(x)  # planned
+    a = x["a.cache"].unsqueeze(-2)
+    other = dsv4attn.get_mla_metadata()[0]
+    small = dict(is_fp8_kvcache=True, indices=x["a.indices"][:2].view(2, 1, -1), impl="triton")
+    dsv4attn.flash_mla_with_kvcache(x["q"][:2].view(2, 1, 64, 512), a, None, None, 512, other, **small)
+    planned_args = (x["q"].view(3, 1, 64, 512), a, None, None, 512)
+    kw = dict(softmax_scale=0.07, is_fp8_kvcache=True, indices=x["a.indices"].view(3, 1, -1), attn_sink=x["sink"],
+              extra_k_cache=x["b.cache"].unsqueeze(-2), extra_indices_in_kvcache=x["b.indices"].view(3, 1, -1),
+              topk_length=x["lens"], impl="triton")
+    with pytest.raises(ValueError, match="tile_scheduler_metadata was first used"):
+        dsv4attn.flash_mla_with_kvcache(*planned_args, other, **kw)
+    fresh = dsv4attn.get_mla_metadata()[0]
+    dsv4attn.flash_mla_with_kvcache(*planned_args, fresh, **kw)
+    assert fresh.have_initialized and fresh.config == (3, 1, 64, 64, 150, 16, 40)
+    assert int(fresh.num_splits[0]) >= 1
+
+
+def test_plans_follow_the_launch_cache(stand_ins, counter, device):
+    """Clearing the launch cache forgets the plans; with the cache off no plan is used."""
+    make, run = _op_case("two-fp8-sets", device)
+    run(make())
+    launch_cache.clear()
+    counter[0] = 0
+    run(make())
+    assert counter[0] > 0  # checked again (and planned again)
+    launch_cache.ENABLED = False  # the fixture restores it
+    counter[0] = 0
+    run(make())
+    assert counter[0] > 0
+
+
+GPU_CASES = OP_CASES + FLASHMLA_CASES
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_planned_call_equals_checked_call_bit_for_bit_on_the_gpu(case):
+    """Real kernels: a planned call's outputs equal the checked path's on the same inputs, bit
+    for bit (NaN-filled outputs beforehand, so every element is written by both)."""
+    device = torch.device("cuda")
+    if case in OP_CASES:
+        make, run = _op_case(case, device)
+    else:
+        make, run, _ = _flashmla_case(case, device)
+    call_plan.clear()
+    run(make())  # makes the plan
+    x = make()
+    if x["out"] is not None:
+        x["out"].fill_(float("nan"))
+    planned = [t.clone() for t in run(x) if t is not None]
+    call_plan.clear()
+    if x["out"] is not None:
+        x["out"].fill_(float("nan"))
+    checked = [t.clone() for t in run(x) if t is not None]
+    assert len(planned) == len(checked)
+    for p, c in zip(planned, checked):
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.bfloat16 else p.view(torch.int32),
+                           c.view(torch.uint8) if c.dtype == torch.bfloat16 else c.view(torch.int32)), case
