@@ -3,7 +3,9 @@
 ``sparse_mla_attention`` / ``sparse_mla_forward`` validate, allocate, then run the kernels
 through :func:`dsv4attn.ops.sparse_attn_launch.launch` (kernel choice, tile sizes, split-KV) or
 the PyTorch reference (:mod:`dsv4attn.reference.sparse_attn`), chosen by
-:func:`dsv4attn.device.resolve_impl`.
+:func:`dsv4attn.device.resolve_impl`. A call whose signature has passed the checks before
+replays that call's plan (:mod:`dsv4attn.ops.call_plan`): the same allocations and compiled
+launches on its own tensors, without the checks and set-up (the eager host cost).
 """
 
 from __future__ import annotations
