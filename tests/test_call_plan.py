@@ -384,3 +384,29 @@ def test_planned_call_equals_checked_call_bit_for_bit_on_the_gpu(case):
     for p, c in zip(planned, checked):
         assert torch.equal(p.view(torch.uint8) if p.dtype == torch.bfloat16 else p.view(torch.int32),
                            c.view(torch.uint8) if c.dtype == torch.bfloat16 else c.view(torch.int32)), case
+
+
+def test_one_tensor_in_two_roles_keeps_no_plan(stand_ins, device):
+    """Recorded with one tensor as both sets' lengths, a launch argument cannot say which role it
+    came from: no plan is kept, and a later call of that signature with two different tensors
+    launches what the checked path launches (each set its own lengths)."""
+    gen = torch.Generator().manual_seed(11)
+    a = build_set(SetSpec("indices", True, 64, 100), 4, [0] * 4, PROD_LAYOUT, gen, device).cset
+    b = build_set(SetSpec("indices", True, 64, 60), 4, [0] * 4, PROD_LAYOUT, gen, device).cset
+    q = torch.randn(4, 64, 512, generator=gen).to(torch.bfloat16).to(device)
+    shared = torch.tensor([100, 50, 7, 0], dtype=torch.int32, device=device)
+    run = lambda la, lb: sa.sparse_mla_forward(  # noqa: E731
+        q, [dataclasses.replace(a, lengths=la), dataclasses.replace(b, lengths=lb)], 0.1, impl="triton")
+    run(shared, shared)
+    run(shared, shared)
+    la, lb = shared.clone(), torch.tensor([60, 1, 2, 3], dtype=torch.int32, device=device)
+    named = {"q": q, "a.cache": a.cache, "a.indices": a.indices, "b.cache": b.cache, "b.indices": b.indices,
+             "la": la, "lb": lb}
+    stand_ins.clear()
+    res = run(la, lb)
+    first = list(stand_ins)
+    call_plan.clear()
+    stand_ins.clear()
+    res2 = run(la, lb)
+    positions = [{i for i, x in enumerate(args) if isinstance(x, torch.Tensor)} for _, args in stand_ins]
+    assert _canonical(first, positions, named, res) == _canonical(stand_ins, positions, named, res2)

@@ -169,6 +169,8 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
         return None
     tensors = rec.roles + [t for _, _, t in rec.allocs]
     where = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    if len(where) != sum(t is not None for t in tensors):
+        return None  # one tensor in two roles: which one a launch argument stands for is unknown
     launches = []
     for compiled, grid, args in rec.launches:
         template, slots = [], []
