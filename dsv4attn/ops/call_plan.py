@@ -20,7 +20,9 @@ launched with the new tensors' addresses in the same argument positions. Nothing
 call whose checks failed, so a plan's signature is one that passed them.
 
 The plans follow the launch cache: on when it is on, forgotten when it is cleared or when a
-kernel falls back (``dsv4attn.ops.sparse_attn_launch`` clears them then).
+kernel falls back (``dsv4attn.ops.sparse_attn_launch`` clears them then). Like the per-shape
+caches of ``sparse_attn_launch`` (its config LRU), a plan assumes the dispatch policy stays
+fixed for the process: code that changes it (a test patching ``kernel_config``) clears them.
 """
 
 from __future__ import annotations
