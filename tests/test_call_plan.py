@@ -112,18 +112,23 @@ def _planned_equals_checked(make, run, log: list, counter: list) -> None:
         assert _canonical(planned_log, positions, inputs, res) == _canonical(log, positions, inputs, res2)
 
 
-@pytest.fixture
-def counter(monkeypatch):
-    """Counts the checked path's set checks (none on a planned call)."""
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that counts its calls; returns the 1-element count."""
     count = [0]
-    real = sa.check_candidate_set
+    real = getattr(module, name)
 
     def counting(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sa, "check_candidate_set", counting)
+    monkeypatch.setattr(module, name, counting)
     return count
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    """Counts the checked path's set checks (none on a planned call)."""
+    return _count_calls(monkeypatch, sa, "check_candidate_set")
 
 
 OP_CASES = ["two-fp8-sets", "h128-split", "range+idx-bf16-out", "prefill-shared", "deterministic"]
@@ -230,15 +235,7 @@ def wrapper_counter(monkeypatch):
     """Counts the FlashMLA-compatible entry points' own tensor checks."""
     from dsv4attn import flashmla_compat
 
-    count = [0]
-    real = flashmla_compat.check_tensor
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(flashmla_compat, "check_tensor", counting)
-    return count
+    return _count_calls(monkeypatch, flashmla_compat, "check_tensor")
 
 
 @pytest.mark.parametrize("case", FLASHMLA_CASES)
