@@ -58,10 +58,12 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
 
 def _lengths(name: str, topk_length: torch.Tensor | None, batch: int, s_q: int, device) -> torch.Tensor | None:
     """Per-token lengths ``[batch * s_q]`` int32 from a per-batch ``topk_length``; ``None``
-    (whole rows, no vector to allocate) without one."""
+    (whole rows, no vector to allocate) without one. ``device`` None: ``topk_length`` is known
+    to be valid (a planned signature), no check."""
     if topk_length is None:
         return None
-    check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
+    if device is not None:
+        check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
     return topk_length.repeat_interleave(s_q) if s_q > 1 else topk_length
 
 
@@ -119,15 +121,15 @@ def flash_mla_with_kvcache(
     key = plan_key("flash_mla_with_kvcache", q, [], k_cache, indices, attn_sink, extra_k_cache,
                    extra_indices_in_kvcache, topk_length, extra_topk_length, out, head_dim_v,
                    tile_scheduler_metadata.__class__, num_splits, softmax_scale, causal, is_fp8_kvcache, impl)
-    roles = [q, attn_sink, out, k_cache, topk_length, indices, None, None, None]
-    if extra_k_cache is not None:
-        roles += [extra_k_cache, extra_topk_length, extra_indices_in_kvcache, None, None, None]
     if key is not None:
         kept = _kept(key)
         meta = tile_scheduler_metadata
         if kept is not None and (not meta.have_initialized or meta.config == kept[1]):
             plan, config, splits = kept
-            res, lse, _ = plan.run(roles)
+            s_q = q.shape[1]  # the signature passed the checks: lengths are per-batch int32 vectors
+            res, lse, _ = plan.run(_kvcache_roles(
+                q, attn_sink, out, k_cache, _lengths("", topk_length, 0, s_q, None), indices, extra_k_cache,
+                _lengths("", extra_topk_length, 0, s_q, None), extra_indices_in_kvcache))
             if not meta.have_initialized:
                 meta.have_initialized, meta.config = True, config
                 meta.num_splits = torch.tensor([splits], dtype=torch.int32)
@@ -173,12 +175,24 @@ def flash_mla_with_kvcache(
         if not meta.have_initialized:  # bound only once a call has passed validation
             meta.have_initialized, meta.config = True, config
             meta.num_splits = torch.tensor([splits], dtype=torch.int32)
-        if not copied:
-            _keep_if_same_tensors(key, roles, (config, splits))
+        if not copied:  # the roles as the op saw them (per-token lengths)
+            _keep_if_same_tensors(key, _kvcache_roles(
+                q, attn_sink, out, k_cache, sets[0].lengths, indices, extra_k_cache,
+                sets[-1].lengths if extra_k_cache is not None else None, extra_indices_in_kvcache), (config, splits))
     if out is not None and copied:
         out.copy_(_with_kvcache_outputs(res, lse, q.shape, head_dim_v)[0])
         return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
     return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
+
+
+def _kvcache_roles(q, attn_sink, out, k_cache, lengths, indices, extra_k_cache, extra_lengths,
+                   extra_indices) -> list:
+    """``flash_mla_with_kvcache``'s tensors in the order of the op's plan roles (q, sink, out,
+    then per cache: cache, per-token lengths, indices and three unused range-form roles)."""
+    roles = [q, attn_sink, out, k_cache, lengths, indices, None, None, None]
+    if extra_k_cache is not None:
+        roles += [extra_k_cache, extra_lengths, extra_indices, None, None, None]
+    return roles
 
 
 def _with_kvcache_outputs(res: torch.Tensor, lse: torch.Tensor, q_shape: torch.Size,

@@ -184,9 +184,9 @@ FLASHMLA_CASES = ["kvcache-two-caches", "kvcache-mtp-lengths", "kvcache-fp8-dtyp
 
 def _flashmla_case(case: str, device):
     """(make, run, wrapper planned) of one FlashMLA-compatible case (see :func:`_op_case`).
-    Two keep no plan of their own, only their op call is planned: ``kvcache-mtp-lengths`` (s_q
-    2 with per-request lengths, which the op gets repeated per token, a new tensor each call)
-    and ``sparse-fwd-dv-out`` (an out of 448 dims, which the result is copied into)."""
+    ``kvcache-mtp-lengths`` (s_q 2): the op gets the per-request lengths repeated per token, a
+    new tensor each call, which the planned call makes too. ``sparse-fwd-dv-out`` (an out of 448
+    dims, which the result is copied into) keeps no plan of its own: its op call is planned."""
     gen = torch.Generator().manual_seed(len(case) + 7)
     s_q = 2 if case == "kvcache-mtp-lengths" else 1
     batch, heads = 3, 64
@@ -227,7 +227,7 @@ def _flashmla_case(case: str, device):
             extra_indices_in_kvcache=x["b.indices"].view(batch, s_q, -1) if two else None,
             topk_length=x["lens"] if case != "kvcache-fp8-dtype-out" else None, out=x["out"], impl="triton")
 
-    return make, run, case not in ("kvcache-mtp-lengths", "sparse-fwd-dv-out")
+    return make, run, case != "sparse-fwd-dv-out"
 
 
 @pytest.fixture
@@ -407,3 +407,26 @@ def test_one_tensor_in_two_roles_keeps_no_plan(stand_ins, device):
     res2 = run(la, lb)
     positions = [{i for i, x in enumerate(args) if isinstance(x, torch.Tensor)} for _, args in stand_ins]
     assert _canonical(first, positions, named, res) == _canonical(stand_ins, positions, named, res2)
+
+
+@pytest.mark.parametrize("case", ["kvcache-mtp-lengths", "sparse-fwd"])
+def test_bad_lengths_are_refused_after_a_flashmla_plan_exists(case, stand_ins, device):
+    """A FlashMLA-compatible signature with a plan: lengths of another dtype or size take the
+    checked path and are refused, naming the argument."""
+    make, run, _ = _flashmla_case(case, device)
+    x = make()
+    run(x)
+    run(x)  # planned
+    if case == "sparse-fwd":
+        q, kv, idx = x["q"], x["kv"], x["flat_idx"]
+        for bad in (torch.zeros(3, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int32, device=device)):
+            with pytest.raises((TypeError, ValueError), match="topk_length"):
+                dsv4attn.flash_mla_sparse_fwd(q, kv, idx, 0.07, attn_sink=x["sink"], topk_length=bad, impl="triton")
+        return
+    for bad in (x["lens"].long(), x["lens"][:2]):
+        with pytest.raises((TypeError, ValueError), match="topk_length"):
+            dsv4attn.flash_mla_with_kvcache(
+                x["q"].view(3, 2, 64, 512), x["a.cache"].unsqueeze(-2), None, None, 512, dsv4attn.get_mla_metadata()[0],
+                softmax_scale=0.07, is_fp8_kvcache=True, indices=x["a.indices"].view(3, 2, -1), attn_sink=x["sink"],
+                extra_k_cache=x["b.cache"].unsqueeze(-2), extra_indices_in_kvcache=x["b.indices"].view(3, 2, -1),
+                topk_length=bad, impl="triton")
