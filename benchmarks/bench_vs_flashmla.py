@@ -10,7 +10,10 @@ the same arguments. Prefill rows: 4096 query tokens over a bf16 kv of 16384 rows
 dsv4attn row per case reads the same kv as fp8_ds_mla pages directly (no bf16 staging).
 
 Times are medians of ``triton.testing.do_bench`` (eager launches, as an engine without CUDA
-graphs sees them) and, with ``--graphs``, of CUDA-graph replays of 10 calls. The graph times
+graphs sees them; do_bench clears L2 before each call, which hides host time up to that clear's
+length) and, with ``--graphs``, of CUDA-graph replays of 10 calls. ``--back-to-back`` adds the
+wall time per call of 100 eager calls in a row (the throughput of an eager loop: host or device,
+whichever is slower). The graph times
 of a case's kernels are taken in turn, ``--rounds`` times (5; the order reversed every other
 round; each turn runs 100 ms before it is timed for 100 ms), and each is the median of its
 rounds: an H100 lowers its clock to hold its power limit under these loads, so each version
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dsv4attn
-from benchmarks.common import Ceilings, interleaved_graph_us, median_us
+from benchmarks.common import Ceilings, back_to_back_us, interleaved_graph_us, median_us
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
@@ -59,6 +62,9 @@ class Result:
     #: the lowest and highest ratio of one round's graph times (dsv4attn / FlashMLA)
     graph_ratio_lo: float | None = None
     graph_ratio_hi: float | None = None
+    #: eager throughput: us per call of back-to-back calls (``--back-to-back``)
+    flashmla_b2b_us: float | None = None
+    dsv4attn_b2b_us: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -79,6 +85,13 @@ def graph_times(fns: dict, results: dict[str, "Result"], rounds: int, ours: str 
             if name == ours:
                 ratios = [a / b for a, b in zip(times[name], times[theirs])]
                 row.graph_ratio_lo, row.graph_ratio_hi = min(ratios), max(ratios)
+
+
+def back_to_back(row: Result, ours, theirs=None) -> None:
+    """Fill ``row``'s back-to-back times (median us per call) of ``ours`` and ``theirs``."""
+    row.dsv4attn_b2b_us = back_to_back_us(ours)[0]
+    if theirs is not None:
+        row.flashmla_b2b_us = back_to_back_us(theirs)[0]
 
 
 def load_flashmla(path: str | None):
@@ -146,8 +159,9 @@ def decode_inputs(b: int, h: int, topk: int, swa: int, device, gen) -> DecodeInp
 
 
 def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, rounds: int,
-                gen) -> list[Result]:
-    """One decode row and its deterministic-mode row; ``rounds``: of graph timing (0: none)."""
+                gen, b2b: bool = False) -> list[Result]:
+    """One decode row and its deterministic-mode row; ``rounds``: of graph timing (0: none);
+    ``b2b``: back-to-back times too."""
     name = f"decode h{h} B{b}"
     x = decode_inputs(b, h, topk, swa, device, gen)
     main, extra, idx, eidx, q, sink, sets = x.main, x.extra, x.idx, x.eidx, x.q, x.sink, x.sets
@@ -185,14 +199,17 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
         res.flashmla_us = det.flashmla_us = median_us(theirs)
         fns["theirs"] = theirs
+    if b2b:
+        back_to_back(res, ours, fns.get("theirs"))
     if rounds:
         graph_times(fns, dict(ours=res, det=det), rounds)
     return [res, det]
 
 
 def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, rounds: int,
-                 gen) -> list[Result]:
-    """One prefill row and its fp8-pages row; ``rounds``: of graph timing (0: none)."""
+                 gen, b2b: bool = False) -> list[Result]:
+    """One prefill row and its fp8-pages row; ``rounds``: of graph timing (0: none); ``b2b``:
+    back-to-back times too."""
     name = f"prefill h{h} top-k {topk}"
     kv = (torch.randn(s_kv, 1, D, device=device, generator=gen)).to(torch.bfloat16)
     idx = torch.rand(s_q, s_kv, device=device, generator=gen).argsort(dim=1)[:, :topk].to(torch.int32)[:, None, :]
@@ -226,6 +243,8 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
         res.flashmla_us = median_us(theirs)
         fp8.flashmla_us = res.flashmla_us
         fns["theirs"] = theirs
+    if b2b:
+        back_to_back(res, ours, fns.get("theirs"))
     if rounds:
         graph_times(fns, dict(ours=res), rounds)
     return [res, fp8]
@@ -240,6 +259,9 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
             "dsv4attn % floor"]
     if graphs:
         head += ["FlashMLA graph us", "dsv4attn graph us", "graph ratio", "rounds' ratios"]
+    b2b = any(r.dsv4attn_b2b_us for r in results)
+    if b2b:
+        head += ["FlashMLA back-to-back us", "dsv4attn back-to-back us", "back-to-back ratio"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
@@ -251,6 +273,9 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
             gr = (r.dsv4attn_graph_us / r.flashmla_graph_us) if r.flashmla_graph_us and r.dsv4attn_graph_us else None
             cells += [f(r.flashmla_graph_us), f(r.dsv4attn_graph_us), "-" if gr is None else f"{gr:.2f}x",
                       "-" if r.graph_ratio_lo is None else f"{r.graph_ratio_lo:.2f}-{r.graph_ratio_hi:.2f}"]
+        if b2b:
+            br = (r.dsv4attn_b2b_us / r.flashmla_b2b_us) if r.flashmla_b2b_us and r.dsv4attn_b2b_us else None
+            cells += [f(r.flashmla_b2b_us), f(r.dsv4attn_b2b_us), "-" if br is None else f"{br:.2f}x"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -276,6 +301,8 @@ def main() -> None:
     p.add_argument("--flashmla-path", default=None, help="folder holding the built flash_mla package")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference path), dsv4attn only")
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="also time back-to-back eager calls (throughput: host or device, whichever is slower)")
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved graph timing (odd)")
     p.add_argument("--json", default=None, help="write the rows to this file")
@@ -304,11 +331,11 @@ def main() -> None:
         topk, swa = 512, 128
     for h, b in dec:
         if want(f"decode h{h} B{b}"):
-            results += decode_case(fm, b, h, topk, swa, ceil, device, rounds, gen)
+            results += decode_case(fm, b, h, topk, swa, ceil, device, rounds, gen, args.back_to_back)
             print(f"  {results[-2]}\n  {results[-1]}", flush=True)
     for h, k, s_q, s_kv in pre:
         if want(f"prefill h{h} top-k {k}"):
-            results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, rounds, gen)
+            results += prefill_case(fm, h, k, s_q, s_kv, ceil, device, rounds, gen, args.back_to_back)
             print(f"  {results[-2]}\n  {results[-1]}", flush=True)
     print_results(results, ceil, fm is not None)
     if args.json:

@@ -37,6 +37,33 @@ def median_us(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return statistics.median(ts) * 1e6
 
 
+def back_to_back_us(fn, calls: int = 100, repeats: int = 5, warmup: int = 10,
+                    device_time: bool = True) -> tuple[float, float]:
+    """Median and minimum over ``repeats`` of the wall time per call of ``calls`` back-to-back
+    ``fn()`` calls, the device synchronised only before and after each loop: eager throughput,
+    i.e. the larger of the host's and the device's time per call (``median_us`` clears L2
+    before each call, and the host prepares the next call meanwhile, so it hides host time up
+    to that clear's length). ``device_time=False``: the loop's closing sync is not timed, which
+    gives the host's time per call while it is slower than the device."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    per = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device_time:
+            sync()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return statistics.median(per), min(per)
+
+
 def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     """Median device time of one ``fn()`` call, from ``calls`` calls captured in one CUDA graph and
     replayed (eager calls of small cases are bound by the host's launch cost). ``fn`` is run

@@ -12,7 +12,8 @@
 # Steps: pytest (PYTEST_ARGS) | tests (EXTRA_TESTS: more test files) | tests2 (the attention suites again with KernelConfig
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill, PREFILL_ARGS=--bf16: bf16 pages only) | report | host (eager host time per call,
-#   scripts/host_overhead.py) | vs (the side-by-side table) | vs2 (it again with KCFG) -- each logs to $OUT/<step>.txt.
+#   scripts/host_overhead.py) | vs (the side-by-side table; VS_ARGS: more options, e.g. --back-to-back) |
+#   vs2 (it again with KCFG) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 SRC="$1"; SAVED="$2"; shift 2
@@ -62,7 +63,7 @@ for step in "$@"; do
     prefill) timeout 200 python3 -m scripts.attn_variants --prefill ${PREFILL_ARGS:-} > "$OUT/prefill.txt" 2>&1; cat "$OUT/prefill.txt" ;;
     report) python3 -m scripts.sm90_report --quick > "$OUT/report.txt" 2>&1 ;;
     host) timeout 120 python3 -m scripts.host_overhead --device cuda 2>&1 | tee "$OUT/host.txt" ;;
-    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs ${VS_ONLY:+--only "$VS_ONLY"} \
+    vs) wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs ${VS_ONLY:+--only "$VS_ONLY"} ${VS_ARGS:-} \
           --json "$OUT/vs.json" 2>&1 | tee "$OUT/vs.txt" | grep -v "^  " | tail -n 24 ;;
     vs2) # the side by side again with KernelConfig fields KCFG in every dispatch (a candidate default)
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \

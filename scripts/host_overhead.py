@@ -28,10 +28,10 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
-import time
 
 import torch
+
+from benchmarks.common import back_to_back_us
 
 BATCH, HEADS, D, BLOCK, TOPK, SWA, ENTRY_BYTES = 64, 64, 512, 64, 512, 128, 584
 
@@ -101,24 +101,6 @@ def build_calls(device: torch.device) -> dict:
             "sparse_mla_attention": op}
 
 
-def time_us(fn, device: torch.device, calls: int, repeats: int) -> tuple[float, float]:
-    """Median and minimum over ``repeats`` of the mean wall time of ``calls`` back-to-back
-    calls (us); the minimum is the robust figure on a shared machine."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(10):
-        fn()
-    sync()
-    per = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
-    sync()
-    return statistics.median(per), min(per)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +138,7 @@ def main() -> None:
     for name, fn in calls.items():
         for tag, cached, planned in modes if device.type == "cuda" else modes[1:2]:  # CPU: no plan or cache
             launch_cache.ENABLED, call_plan.ENABLED = cached, planned
-            med, best = time_us(fn, device, args.calls, args.repeats)
+            med, best = back_to_back_us(fn, args.calls, args.repeats, device_time=False)
             print(f"{name:24s}  {tag}  median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
     launch_cache.ENABLED, call_plan.ENABLED = defaults
 
