@@ -4,8 +4,8 @@ checked path launches for the same inputs, and bad input is still refused after 
 On CPU the kernels are stand-ins that log each launch (every argument, in Triton's launcher
 order) and the launch cache serves CPU tensors (``launches_through_cache``). A launch is
 compared in canonical form: each tensor argument (a tensor on the checked path, an address on a
-planned one) named by the call's tensor at that address (``q``, ``sets[0].cache``, ...) or, for
-memory the call allocated, by allocation order; every other argument as is. The GPU tests at the
+planned one) named by the call's tensor at that address (``q``, ``s0.cache``, ...) or, for
+memory the call allocated, by the order it first appears in; every other argument as is. The GPU tests at the
 end compare a planned call's outputs with the checked path's, bit for bit, on the real kernels.
 """
 
