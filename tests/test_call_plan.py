@@ -273,7 +273,7 @@ BAD_OP_CALLS = [
     ("prefill=1", TypeError), ("deterministic=0", TypeError), ("softmax_scale=nan", TypeError),
     ("lengths int64", TypeError), ("q fp16", TypeError), ("cache 2 bytes in", ValueError),
     ("sets a duck", TypeError), ("sink shape", ValueError), ("out dtype", TypeError), ("num_splits=0", ValueError),
-    ("impl=fast", ValueError), ("indices strided", ValueError),
+    ("impl=fast", ValueError), ("indices strided", ValueError), ("lengths on meta", ValueError),
 ]
 
 
@@ -305,6 +305,7 @@ def test_bad_input_is_refused_after_a_plan_exists(change, error, stand_ins, devi
         "out dtype": dict(out=torch.empty(4, 64, 512, device=device)), "num_splits=0": dict(num_splits=0),
         "impl=fast": dict(impl="fast"),
         "indices strided": dict(sets=[dataclasses.replace(s, indices=wide[:, ::2])]),
+        "lengths on meta": dict(sets=[dataclasses.replace(s, lengths=s.lengths.to("meta"))]),
     }[change])
     call = lambda kw: sa.sparse_mla_forward(**kw)  # noqa: E731
     with pytest.raises(error) as without_plan:

@@ -192,13 +192,16 @@ def plan_key(entry: str, q: object, sets: object, *scalars: object) -> tuple | N
         return None
     sig = call_plan.signature
     set_sigs = []
-    for s in sets:  # type: ignore[attr-defined]
-        if s.__class__ is not CandidateSet:
-            return None
-        set_sigs.append((sig(s.layout), sig(s.cache), sig(s.lengths), sig(s.indices), sig(s.block_table),
-                         sig(s.token_to_req), sig(s.starts)))
-    return (entry, launch_cache.current_device(), sets.__class__, sig(q), tuple(set_sigs),
-            *[sig(a) for a in scalars])
+    try:
+        for s in sets:  # type: ignore[attr-defined]
+            if s.__class__ is not CandidateSet:
+                return None
+            set_sigs.append((sig(s.layout), sig(s.cache), sig(s.lengths), sig(s.indices), sig(s.block_table),
+                             sig(s.token_to_req), sig(s.starts)))
+        return (entry, launch_cache.current_device(), sets.__class__, sig(q), tuple(set_sigs),
+                *[sig(a) for a in scalars])
+    except (RuntimeError, TypeError, AttributeError):  # e.g. a tensor without storage: the checks name it
+        return None
 
 
 def plan_roles(q: torch.Tensor, sets: Sequence[CandidateSet], attn_sink: torch.Tensor | None,
