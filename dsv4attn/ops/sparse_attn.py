@@ -150,8 +150,9 @@ def sparse_mla_forward(
     # read as if it were not); no-ops for the usual contiguous tensors.
     dense = [_dense(s) for s in sets]
     if key is not None and num_tokens > 0 and all(d is s for d, s in zip(dense, sets)) and (
-            attn_sink is None or attn_sink.is_contiguous()):
+            attn_sink is None or attn_sink.is_contiguous()) and call_plan.seen_before(key):
         # Nothing copied: the kernels see the caller's own tensors, so a plan can replay them.
+        # (Recorded at a signature's second call: one-off calls do not pay for a recording.)
         with call_plan.recording(plan_roles(q, sets, attn_sink, out)) as rec:
             res = _allocate_and_launch(q, sets, float(softmax_scale), attn_sink, out, num_splits, want_max,
                                        prefill, deterministic, lay)
