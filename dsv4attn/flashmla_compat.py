@@ -57,13 +57,17 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
 
 
 def _lengths(name: str, topk_length: torch.Tensor | None, batch: int, s_q: int, device) -> torch.Tensor | None:
-    """Per-token lengths ``[batch * s_q]`` int32 from a per-batch ``topk_length``; ``None``
-    (whole rows, no vector to allocate) without one. ``device`` None: ``topk_length`` is known
-    to be valid (a planned signature), no check."""
+    """:func:`_per_token` of a per-batch ``topk_length`` after checking it (int32 ``[batch]``)."""
+    if topk_length is not None:
+        check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
+    return _per_token(topk_length, s_q)
+
+
+def _per_token(topk_length: torch.Tensor | None, s_q: int) -> torch.Tensor | None:
+    """Per-token lengths ``[batch * s_q]`` from per-batch ones; ``None`` (whole rows, no vector
+    to allocate) stays ``None``."""
     if topk_length is None:
         return None
-    if device is not None:
-        check_tensor(name, topk_length, dtype=torch.int32, shape=(batch,), device=device)
     return topk_length.repeat_interleave(s_q) if s_q > 1 else topk_length
 
 
@@ -128,8 +132,8 @@ def flash_mla_with_kvcache(
             plan, config, splits = kept
             s_q = q.shape[1]  # the signature passed the checks: lengths are per-batch int32 vectors
             res, lse, _ = plan.run(_kvcache_roles(
-                q, attn_sink, out, k_cache, _lengths("", topk_length, 0, s_q, None), indices, extra_k_cache,
-                _lengths("", extra_topk_length, 0, s_q, None), extra_indices_in_kvcache))
+                q, attn_sink, out, k_cache, _per_token(topk_length, s_q), indices, extra_k_cache,
+                _per_token(extra_topk_length, s_q), extra_indices_in_kvcache))
             if not meta.have_initialized:
                 meta.have_initialized, meta.config = True, config
                 meta.num_splits = torch.tensor([splits], dtype=torch.int32)
