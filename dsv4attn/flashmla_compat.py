@@ -17,7 +17,9 @@ against ``flash_mla`` can switch by changing the import:
 * :func:`flash_mla_sparse_fwd`: sparse attention over a flat bf16 ``kv``; returns
   ``(out, max_logits, lse)`` (natural log; empty rows: out 0, max_logits -inf, lse +inf).
 
-Each takes an extra keyword-only ``impl`` ("auto" | "triton" | "reference").
+Each takes an extra keyword-only ``impl`` ("auto" | "triton" | "reference"). On a GPU a call
+whose signature has passed the checks before replays a plan of the op's launches on its own
+tensors (:mod:`dsv4attn.ops.call_plan`), skipping the checks and set-up of both layers.
 """
 
 from __future__ import annotations
