@@ -137,30 +137,26 @@ def sparse_mla_forward(
     if want_max and num_splits not in (None, 1):
         raise ValueError(f"want_max needs num_splits None or 1 (max logits are not split), got {num_splits!r}")
     path = _resolve_impl(impl, device)
-    if path == "reference":
-        from dsv4attn.reference.sparse_attn import sparse_mla_forward_ref
-
-        sets = [_dense(s) for s in sets]
-        if attn_sink is not None and not attn_sink.is_contiguous():
-            attn_sink = attn_sink.contiguous()
-        if out is None:
-            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
-        return sparse_mla_forward_ref(q, sets, float(softmax_scale), attn_sink, out, want_max)
     # What the kernels read as flat int32 / fp32 vectors must be dense (a strided view would be
     # read as if it were not); no-ops for the usual contiguous tensors.
     dense = [_dense(s) for s in sets]
-    if key is not None and num_tokens > 0 and all(d is s for d, s in zip(dense, sets)) and (
-            attn_sink is None or attn_sink.is_contiguous()) and call_plan.seen_before(key):
+    sink = attn_sink if attn_sink is None or attn_sink.is_contiguous() else attn_sink.contiguous()
+    if path == "reference":
+        from dsv4attn.reference.sparse_attn import sparse_mla_forward_ref
+
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
+        return sparse_mla_forward_ref(q, dense, float(softmax_scale), sink, out, want_max)
+    if (key is not None and num_tokens > 0 and sink is attn_sink and all(d is s for d, s in zip(dense, sets))
+            and call_plan.seen_before(key)):
         # Nothing copied: the kernels see the caller's own tensors, so a plan can replay them.
         # (Recorded at a signature's second call: one-off calls do not pay for a recording.)
-        with call_plan.recording(plan_roles(q, sets, attn_sink, out)) as rec:
-            res = _allocate_and_launch(q, sets, float(softmax_scale), attn_sink, out, num_splits, want_max,
+        with call_plan.recording(plan_roles(q, dense, sink, out)) as rec:
+            res = _allocate_and_launch(q, dense, float(softmax_scale), sink, out, num_splits, want_max,
                                        prefill, deterministic, lay)
             call_plan.finish(rec, key, res, device)
         return res
-    if attn_sink is not None and not attn_sink.is_contiguous():
-        attn_sink = attn_sink.contiguous()
-    return _allocate_and_launch(q, dense, float(softmax_scale), attn_sink, out, num_splits, want_max, prefill,
+    return _allocate_and_launch(q, dense, float(softmax_scale), sink, out, num_splits, want_max, prefill,
                                 deterministic, lay)
 
 
