@@ -174,20 +174,19 @@ def flash_mla_with_kvcache(
     call_plan.take_last()
     res, lse, _ = sparse_mla_forward(q.reshape(batch * s_q, num_heads, head_dim), sets, scale, attn_sink,
                                      None if dst is None else dst.view(batch * s_q, num_heads, head_dim), impl)
-    copied = out is not None and dst is None  # out cannot be written in place
-    if not meta.have_initialized or (key is not None and not copied):
+    if not meta.have_initialized:  # bound only once a call has passed validation
         widths = sum(s.indices.shape[1] for s in sets if s.indices is not None)  # all in indices form
-        splits = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
-        if not meta.have_initialized:  # bound only once a call has passed validation
-            meta.have_initialized, meta.config = True, config
-            meta.num_splits = torch.tensor([splits], dtype=torch.int32)
-        if not copied:  # the roles as the op saw them (per-token lengths)
-            _keep_if_same_tensors(key, _kvcache_roles(
-                q, attn_sink, out, k_cache, sets[0].lengths, indices, extra_k_cache,
-                sets[-1].lengths if extra_k_cache is not None else None, extra_indices_in_kvcache), (config, splits))
-    if out is not None and copied:
+        k = kernel_config(batch * s_q, num_heads, head_dim, widths, device).num_splits
+        meta.have_initialized, meta.config = True, config
+        meta.num_splits = torch.tensor([k], dtype=torch.int32)
+    if out is not None and dst is None:  # out cannot be written in place: copied (no plan of its own)
         out.copy_(_with_kvcache_outputs(res, lse, q.shape, head_dim_v)[0])
         return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
+    if key is not None and meta.num_splits is not None:  # the roles as the op saw them (per-token lengths)
+        _keep_if_same_tensors(key, _kvcache_roles(
+            q, attn_sink, out, k_cache, sets[0].lengths, indices, extra_k_cache,
+            sets[-1].lengths if extra_k_cache is not None else None, extra_indices_in_kvcache),
+            (config, int(meta.num_splits[0])))
     return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
 
 
