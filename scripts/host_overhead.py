@@ -11,8 +11,9 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
   launcher included) with the device synchronised once before and once after the timed loop,
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
   time only while the host is slower than the kernels (small batches). Each entry point is
-  timed three ways: call plans (:mod:`dsv4attn.ops.call_plan`) and the launch cache
-  (:mod:`dsv4attn.ops.launch_cache`) on, the default; the launch cache alone; neither.
+  timed four ways: call plans (:mod:`dsv4attn.ops.call_plan`) and the launch cache
+  (:mod:`dsv4attn.ops.launch_cache`) on, the default; plans launching through Triton's runner
+  closure instead of its launcher (``call_plan.DIRECT = False``); the launch cache alone; neither.
 
 Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
 calls each (the minimum is the figure to compare on a loaded machine).
@@ -132,15 +133,17 @@ def main() -> None:
         return
     from dsv4attn.ops import call_plan, launch_cache
 
-    defaults = launch_cache.ENABLED, call_plan.ENABLED
-    # plans + launch cache (the default) | the launch cache alone | neither (Triton binds every launch)
-    modes = [("plans on ", True, True), ("plans off", True, False), ("cache off", False, False)]
+    defaults = launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT
+    # plans + launch cache (the default) | plans through Triton's runner | the launch cache alone |
+    # neither (Triton binds every launch)
+    modes = [("plans on    ", True, True, True), ("plans runner", True, True, False),
+             ("plans off   ", True, False, True), ("cache off   ", False, False, True)]
     for name, fn in calls.items():
-        for tag, cached, planned in modes if device.type == "cuda" else modes[1:2]:  # CPU: no plan or cache
-            launch_cache.ENABLED, call_plan.ENABLED = cached, planned
+        for tag, cached, planned, direct in modes if device.type == "cuda" else modes[2:3]:  # CPU: no plan or cache
+            launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = cached, planned, direct
             med, best = back_to_back_us(fn, args.calls, args.repeats, device_time=False)
             print(f"{name:24s}  {tag}  median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
-    launch_cache.ENABLED, call_plan.ENABLED = defaults
+    launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = defaults
 
 
 if __name__ == "__main__":

@@ -27,47 +27,82 @@ pytestmark = pytest.mark.usefixtures("launches_through_cache")
 HAS_CUDA = torch.cuda.is_available()
 
 
-class _Compiled:
-    """A compiled kernel: ``[grid]`` gives a launcher that logs its arguments."""
+#: The stream a direct stand-in launch must get (``sm90+direct``: what the plans' stream lookup returns).
+_STREAM = 0x5EED
 
-    def __init__(self, log: list) -> None:
-        self.log = log
+
+class _Compiled:
+    """A compiled kernel: ``[grid]`` gives a runner that logs its arguments. With ``direct``
+    it also has the parts a plan launches without the runner (``run``, Triton's launcher, with
+    the stream, ``function`` and ``packed_metadata`` first): those launches log the same way
+    and are counted in ``direct_launches``."""
+
+    def __init__(self, log: list, direct: bool = False, direct_launches: list | None = None) -> None:
+        self.log, self.direct_launches = log, direct_launches
+        if direct:
+            self.function, self.packed_metadata = object(), object()
+            self.run = self._run
 
     def __getitem__(self, grid):
         def run(*args):
             self.log.append((tuple(grid), args))
         return run
 
+    def _run(self, gx, gy, gz, stream, function, meta, launch_metadata, enter_hook, exit_hook, *args):
+        assert (stream, function, meta) == (_STREAM, self.function, self.packed_metadata)
+        assert launch_metadata is None and enter_hook is None and exit_hook is None
+        self.direct_launches.append(1)
+        self.log.append(((gx, gy, gz), args))
+
 
 class _StandIn:
     """Stands in for a ``@triton.jit`` kernel (the real one's parameters): a bound launch logs
     what Triton's launcher would get and returns a :class:`_Compiled`."""
 
-    def __init__(self, real, log: list) -> None:
+    def __init__(self, real, log: list, direct: bool = False, direct_launches: list | None = None) -> None:
         self.fn, self.log = real.fn, log
+        self.direct, self.direct_launches = direct, direct_launches
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             tail = launch_cache.bound_tail(self, len(args), kwargs)
             self.log.append(((tuple(grid) + (1, 1))[:3], (*args, *tail)))
-            return _Compiled(self.log)
+            return _Compiled(self.log, self.direct, self.direct_launches)
         return run
 
 
-@pytest.fixture(params=["portable", "sm90"])
+class _Log(list):
+    """The launch log; ``direct``: one entry per launch a plan made without Triton's runner;
+    ``is_direct``: whether the stand-ins allow such launches."""
+
+    direct: list
+    is_direct: bool
+
+
+@pytest.fixture(params=["portable", "sm90", "sm90+direct"])
 def stand_ins(request, monkeypatch):
     """Stand-ins for every attention kernel; ``sm90``: dispatch takes the Gluon kernels (as on
-    Hopper), whose stand-ins carry their real parameter lists."""
+    Hopper), whose stand-ins carry their real parameter lists; ``+direct``: their compiled
+    kernels have the parts of Triton's (launcher, function, metadata), so plans launch them
+    without the runner, on the stream that :func:`call_plan._stream_source` finds."""
     from dsv4attn.kernels import sparse_attn as k
     from dsv4attn.kernels import sparse_attn_prefill as kp
 
-    log: list = []
-    monkeypatch.setattr(k, "_sparse_mla_attn_kernel", _StandIn(k._sparse_mla_attn_kernel, log))
-    monkeypatch.setattr(k, "_sparse_mla_combine_kernel", _StandIn(k._sparse_mla_combine_kernel, log))
-    monkeypatch.setattr(kp, "_sparse_mla_prefill_kernel", _StandIn(kp._sparse_mla_prefill_kernel, log))
-    if request.param == "sm90":
+    log = _Log()
+    direct = request.param.endswith("+direct")
+    log.direct, log.is_direct = [], direct
+    if direct:
+        monkeypatch.setattr(call_plan, "_stream_source", lambda: ((lambda device: _STREAM + device), 0))
+
+    def stand_in(real):
+        return _StandIn(real, log, direct, log.direct)
+
+    monkeypatch.setattr(k, "_sparse_mla_attn_kernel", stand_in(k._sparse_mla_attn_kernel))
+    monkeypatch.setattr(k, "_sparse_mla_combine_kernel", stand_in(k._sparse_mla_combine_kernel))
+    monkeypatch.setattr(kp, "_sparse_mla_prefill_kernel", stand_in(kp._sparse_mla_prefill_kernel))
+    if request.param.startswith("sm90"):
         real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
-        stand = {ws: (_StandIn(kern, log), warps) for ws, (kern, warps) in real.items()}
+        stand = {ws: (stand_in(kern), warps) for ws, (kern, warps) in real.items()}
         monkeypatch.setattr(sl, "sm90_kernel_available", lambda dev: True)
         monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, qreg=False: stand[ws])
     sl._cached_config.cache_clear()  # configs cached with the other sm90 answer
@@ -102,9 +137,12 @@ def _planned_equals_checked(make, run, log: list, counter: list) -> None:
         inputs = make()
         log.clear()
         counter[0] = 0
+        direct_before = len(log.direct)
         res = run(inputs)
         assert counter[0] == 0, "a planned call ran the checks"
         planned_log = list(log)
+        # With launchers to call directly, every planned launch is one (else none is).
+        assert len(log.direct) - direct_before == (len(planned_log) if log.is_direct else 0)
         call_plan.clear()
         log.clear()
         res2 = run(inputs)
@@ -342,6 +380,36 @@ def test_metadata_bound_to_other_shapes_is_refused_by_a_planned_signature(stand_
     dsv4attn.flash_mla_with_kvcache(*planned_args, fresh, **kw)
     assert fresh.have_initialized and fresh.config == (3, 1, 64, 64, 150, 16, 40)
     assert int(fresh.num_splits[0]) >= 1
+
+
+def test_planned_launches_take_the_runner_while_a_launch_hook_is_set(stand_ins, device):
+    """A launch hook (a profiler's) gets Triton's launch metadata: while one is set, plans
+    launch through the runner, which builds it; they launch the same arguments either way."""
+    from triton import knobs
+
+    make, run = _op_case("two-fp8-sets", device)
+    x = make()
+    stand_ins.clear()
+    checked = _canonical(stand_ins, [], x, run(x))  # only for the positions of the tensors
+    positions = [{i for i, a in enumerate(args) if isinstance(a, torch.Tensor)} for _, args in stand_ins]
+    run(x)  # the plan
+    seen = []
+    def hook(metadata) -> None:
+        pass
+
+    for hooked in (False, True, False):
+        if hooked:
+            knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert call_plan.hooks_idle() is not hooked
+            stand_ins.clear()
+            before = len(stand_ins.direct)
+            res = run(x)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert len(stand_ins.direct) - before == (len(stand_ins) if stand_ins.is_direct and not hooked else 0)
+        seen.append(_canonical(stand_ins, positions, x, res))
+    assert checked[0] == () and seen[0] == seen[1] == seen[2]
 
 
 def test_plans_follow_the_launch_cache(stand_ins, counter, device):

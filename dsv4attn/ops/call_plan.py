@@ -28,6 +28,7 @@ fixed for the process: code that changes it (a test patching ``kernel_config``) 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,9 @@ import torch
 #: Use plans (False: every call takes the checked path; ``scripts/host_overhead.py`` times both).
 #: They are used only while the launch cache is on too.
 ENABLED = True
+#: Launch planned kernels through Triton's launcher itself, without the runner closure of
+#: ``CompiledKernel[grid]`` (False: through the runner; ``scripts/host_overhead.py`` times both).
+DIRECT = True
 #: Plans kept (the oldest dropped first); a serving process meets a few per entry point.
 MAX_PLANS = 512
 
@@ -81,18 +85,21 @@ class CallPlan:
     """The allocations and launches of one call signature, replayed on new tensors.
 
     ``allocs``: ``(shape, dtype)`` of each tensor the call allocates, on the call's device,
-    appended to the roles in order; ``launches``: per kernel launch the launcher Triton's
-    compiled kernel returns for its grid, the argument list with the tensor positions blank,
-    and ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
+    appended to the roles in order; ``launches``: per kernel launch the runner Triton's
+    compiled kernel returns for its grid, the parts to call its launcher directly
+    (:func:`_direct`, or None), the argument list with the tensor positions blank, and
+    ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
     ``role_ptrs``: the recording call's role addresses (a wrapper checks its own roles against
     them before it keeps this plan under its own signature)."""
 
-    __slots__ = ("allocs", "launches", "outputs", "role_ptrs", "device")
+    __slots__ = ("allocs", "launches", "outputs", "role_ptrs", "device", "stream_source")
 
     def __init__(self, allocs: tuple, launches: tuple, outputs: tuple, role_ptrs: tuple,
                  device: torch.device) -> None:
         self.allocs, self.launches, self.outputs = allocs, launches, outputs
         self.role_ptrs, self.device = role_ptrs, device
+        # Direct launches only when every launch has its launcher's parts (real compiled kernels).
+        self.stream_source = _stream_source() if launches and all(d is not None for _, d, _, _ in launches) else None
 
     def run(self, roles: list) -> list:
         """Allocate, launch every kernel on ``roles`` (the call's tensors in the order its
@@ -101,11 +108,20 @@ class CallPlan:
         device = self.device
         tensors = roles + [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
         ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-        for runner, template, slots in self.launches:
-            args = template.copy()
-            for pos, role in slots:
-                args[pos] = ptrs[role]
-            runner(*args)
+        if self.stream_source is not None and DIRECT and hooks_idle():
+            # Triton's launcher straight away, on the current stream (looked up once per call)
+            stream = self.stream_source[0](self.stream_source[1])
+            for _, (run, gx, gy, gz, function, meta), template, slots in self.launches:
+                args = template.copy()
+                for pos, role in slots:
+                    args[pos] = ptrs[role]
+                run(gx, gy, gz, stream, function, meta, None, None, None, *args)
+        else:
+            for runner, _, template, slots in self.launches:
+                args = template.copy()
+                for pos, role in slots:
+                    args[pos] = ptrs[role]
+                runner(*args)
         return [None if i is None else tensors[i] for i in self.outputs]
 
 
@@ -197,7 +213,7 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
                 slots.append((pos, role))
                 a = 0
             template.append(a)
-        launches.append((compiled[grid], template, tuple(slots)))
+        launches.append((compiled[grid], _direct(compiled, grid), template, tuple(slots)))
     outs = []
     for t in outputs:
         if t is not None and id(t) not in where:
@@ -205,6 +221,47 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
         outs.append(None if t is None else where[id(t)])
     return CallPlan(tuple((shape, dtype) for shape, dtype, _ in rec.allocs), tuple(launches), tuple(outs),
                     tuple(0 if t is None else t.data_ptr() for t in rec.roles), device)
+
+
+def _direct(compiled: Any, grid: tuple) -> tuple | None:
+    """What Triton's runner (``compiled[grid]``, the closure its ``CompiledKernel`` returns)
+    passes its launcher besides the stream and the kernel's arguments, found once:
+    ``(launcher, grid x, y, z, function, packed metadata)``; None where ``compiled`` has no
+    such parts (a stand-in). The runner looks up the current device and stream and builds
+    launch metadata for the launch hooks on every launch; a plan looks up the stream once per
+    call and passes no metadata while no launch hook is set (:func:`hooks_idle`)."""
+    run, function = getattr(compiled, "run", None), getattr(compiled, "function", None)
+    if run is None or function is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    return (run, grid[0], grid[1], grid[2], function, compiled.packed_metadata)
+
+
+def _stream_source() -> tuple:
+    """(get_current_stream, current device index) as Triton's runner finds them. The device is
+    fixed for a plan: the current device is part of every plan's signature."""
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    return active.get_current_stream, active.get_current_device()
+
+
+def hooks_idle() -> bool:
+    """Whether no Triton launch hook is set (a profiler such as Proton sets them): only then do
+    plans launch without the runner's launch metadata. Triton 3.6-3.9 keep each hook as a
+    chain of callables (``HookChain``), older releases as a callable or None."""
+    runtime = _triton_runtime()
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_runtime() -> Any:
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def _idle(hook: Any) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def keep(key: Any, plan: Any) -> None:
