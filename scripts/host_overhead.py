@@ -12,8 +12,9 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
   time only while the host is slower than the kernels (small batches). Each entry point is
   timed four ways: call plans (:mod:`dsv4attn.ops.call_plan`) and the launch cache
-  (:mod:`dsv4attn.ops.launch_cache`) on, the default; plans launching through Triton's runner
-  closure instead of its launcher (``call_plan.DIRECT = False``); the launch cache alone; neither.
+  (:mod:`dsv4attn.ops.launch_cache`) on, with the plans calling Triton's launcher directly
+  (``call_plan.DIRECT = True``) or through its runner closure (the default); the launch cache
+  alone; neither.
 
 Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``
 calls each (the minimum is the figure to compare on a loaded machine).
@@ -134,9 +135,9 @@ def main() -> None:
     from dsv4attn.ops import call_plan, launch_cache
 
     defaults = launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT
-    # plans + launch cache (the default) | plans through Triton's runner | the launch cache alone |
-    # neither (Triton binds every launch)
-    modes = [("plans on    ", True, True, True), ("plans runner", True, True, False),
+    # plans launching through Triton's launcher | plans through its runner (the default) | the
+    # launch cache alone | neither (Triton binds every launch)
+    modes = [("plans direct", True, True, True), ("plans runner", True, True, False),
              ("plans off   ", True, False, True), ("cache off   ", False, False, True)]
     for name, fn in calls.items():
         for tag, cached, planned, direct in modes if device.type == "cuda" else modes[2:3]:  # CPU: no plan or cache

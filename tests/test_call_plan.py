@@ -93,6 +93,7 @@ def stand_ins(request, monkeypatch):
     log.direct, log.is_direct = [], direct
     if direct:
         monkeypatch.setattr(call_plan, "_stream_source", lambda: ((lambda device: _STREAM + device), 0))
+        monkeypatch.setattr(call_plan, "DIRECT", True)
 
     def stand_in(real):
         return _StandIn(real, log, direct, log.direct)
@@ -382,22 +383,25 @@ def test_metadata_bound_to_other_shapes_is_refused_by_a_planned_signature(stand_
     assert int(fresh.num_splits[0]) >= 1
 
 
-def test_planned_launches_take_the_runner_while_a_launch_hook_is_set(stand_ins, device):
+def test_planned_launches_take_the_runner_while_a_launch_hook_is_set(stand_ins, monkeypatch, device):
     """A launch hook (a profiler's) gets Triton's launch metadata: while one is set, plans
-    launch through the runner, which builds it; they launch the same arguments either way."""
+    launch through the runner, which builds it; so they do with ``call_plan.DIRECT`` off. They
+    launch the same arguments either way."""
     from triton import knobs
 
     make, run = _op_case("two-fp8-sets", device)
     x = make()
     stand_ins.clear()
-    checked = _canonical(stand_ins, [], x, run(x))  # only for the positions of the tensors
+    run(x)
     positions = [{i for i, a in enumerate(args) if isinstance(a, torch.Tensor)} for _, args in stand_ins]
     run(x)  # the plan
-    seen = []
+
     def hook(metadata) -> None:
         pass
 
-    for hooked in (False, True, False):
+    seen = []
+    for direct, hooked in ((True, False), (True, True), (False, False), (True, False)):
+        monkeypatch.setattr(call_plan, "DIRECT", direct and stand_ins.is_direct)
         if hooked:
             knobs.runtime.launch_enter_hook.add(hook)
         try:
@@ -407,9 +411,10 @@ def test_planned_launches_take_the_runner_while_a_launch_hook_is_set(stand_ins, 
             res = run(x)
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
-        assert len(stand_ins.direct) - before == (len(stand_ins) if stand_ins.is_direct and not hooked else 0)
+        direct_launches = len(stand_ins.direct) - before
+        assert direct_launches == (len(stand_ins) if stand_ins.is_direct and direct and not hooked else 0)
         seen.append(_canonical(stand_ins, positions, x, res))
-    assert checked[0] == () and seen[0] == seen[1] == seen[2]
+    assert all(s == seen[0] for s in seen)
 
 
 def test_plans_follow_the_launch_cache(stand_ins, counter, device):
@@ -436,10 +441,13 @@ GPU_CASES = OP_CASES + FLASHMLA_CASES
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("direct", [False, True], ids=["runner", "direct"])
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_planned_call_equals_checked_call_bit_for_bit_on_the_gpu(case):
+def test_planned_call_equals_checked_call_bit_for_bit_on_the_gpu(case, direct, monkeypatch):
     """Real kernels: a planned call's outputs equal the checked path's on the same inputs, bit
-    for bit (NaN-filled outputs beforehand, so every element is written by both)."""
+    for bit (NaN-filled outputs beforehand, so every element is written by both); planned
+    launches through Triton's runner and through its launcher directly (``call_plan.DIRECT``)."""
+    monkeypatch.setattr(call_plan, "DIRECT", direct)
     device = torch.device("cuda")
     if case in OP_CASES:
         make, run = _op_case(case, device)
