@@ -215,7 +215,8 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
                 slots.append((pos, role))
                 a = 0
             template.append(a)
-        launches.append((compiled[grid], _direct(compiled, grid), template, tuple(slots)))
+        runner = compiled[grid]  # loads the kernel: its launcher and function exist from here on
+        launches.append((runner, _direct(compiled, grid), template, tuple(slots)))
     outs = []
     for t in outputs:
         if t is not None and id(t) not in where:
