@@ -517,3 +517,29 @@ def test_bad_lengths_are_refused_after_a_flashmla_plan_exists(case, stand_ins, d
                 softmax_scale=0.07, is_fp8_kvcache=True, indices=x["a.indices"].view(3, 2, -1), attn_sink=x["sink"],
                 extra_k_cache=x["b.cache"].unsqueeze(-2), extra_indices_in_kvcache=x["b.indices"].view(3, 2, -1),
                 topk_length=bad, impl="triton")
+
+
+def test_a_tail_of_an_allocation_is_launched_at_its_offset(device):
+    """:func:`call_plan.tail` (the split-KV partials share one allocation): a planned call
+    passes the tail as its allocation's address plus the recorded byte offset; a plan that
+    would return a tail is not made."""
+    log: list = []
+    compiled = _Compiled(log)
+    q = torch.zeros(4, device=device)
+    with call_plan.recording([q]) as rec:
+        buf = call_plan.empty((10,), torch.float32, device)
+        part = call_plan.tail(buf, 6)
+        assert part.data_ptr() == buf.data_ptr() + 24 and part.numel() == 4
+        call_plan.note_launch(compiled, (2,), [q, part, buf, 7])
+        plan = call_plan.finish(rec, ("tail",), [buf], device)
+    assert plan is not None
+    x = torch.zeros(4, device=device)
+    (out,) = plan.run([x])
+    ((grid, args),) = log
+    assert grid == (2, 1, 1) and args == (x.data_ptr(), out.data_ptr() + 24, out.data_ptr(), 7)
+    assert out.shape == (10,) and out.dtype == torch.float32
+    with call_plan.recording([q]) as rec:
+        buf = call_plan.empty((10,), torch.float32, device)
+        part = call_plan.tail(buf, 6)
+        call_plan.note_launch(compiled, (2,), [q, part, buf])
+        assert call_plan.finish(rec, ("tail returned",), [part], device) is None

@@ -92,14 +92,16 @@ class CallPlan:
     (:func:`_direct`, or None), the argument list with the tensor positions blank, and
     ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
     ``role_ptrs``: the recording call's role addresses (a wrapper checks its own roles against
-    them before it keeps this plan under its own signature)."""
+    them before it keeps this plan under its own signature). ``views``: ``(index, byte offset)``
+    of each tail of an allocation the call launched with (:func:`tail`), numbered after the
+    allocations; a launch argument names them by that number, never an output."""
 
-    __slots__ = ("allocs", "launches", "outputs", "role_ptrs", "device", "stream_source")
+    __slots__ = ("allocs", "launches", "outputs", "role_ptrs", "device", "stream_source", "views")
 
     def __init__(self, allocs: tuple, launches: tuple, outputs: tuple, role_ptrs: tuple,
-                 device: torch.device) -> None:
+                 device: torch.device, views: tuple = ()) -> None:
         self.allocs, self.launches, self.outputs = allocs, launches, outputs
-        self.role_ptrs, self.device = role_ptrs, device
+        self.role_ptrs, self.device, self.views = role_ptrs, device, views
         # Direct launches only when every launch has its launcher's parts (real compiled kernels).
         self.stream_source = _stream_source() if launches and all(d is not None for _, d, _, _ in launches) else None
 
@@ -110,6 +112,8 @@ class CallPlan:
         device = self.device
         tensors = roles + [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
         ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+        for base, offset in self.views:
+            ptrs.append(ptrs[base] + offset)
         if self.stream_source is not None and DIRECT and hooks_idle():
             # Triton's launcher straight away, on the current stream (looked up once per call)
             stream = self.stream_source[0](self.stream_source[1])
@@ -131,6 +135,7 @@ class _Recording:
     def __init__(self, roles: Sequence) -> None:
         self.roles = list(roles)
         self.allocs: list = []
+        self.views: list = []
         self.launches: list = []
         self.ok = True
 
@@ -164,6 +169,17 @@ def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     rec = getattr(_local, "rec", None)
     if rec is not None:
         rec.allocs.append((tuple(shape), dtype, t))
+    return t
+
+
+def tail(base: torch.Tensor, start: int) -> torch.Tensor:
+    """``base[start:]`` of a 1-D tensor from :func:`empty`, noted by a recording under way: one
+    allocation can hold several scratch buffers (a plan then passes the tail's address as the
+    allocation's plus a fixed offset, with no view made on a planned call)."""
+    t = base[start:]
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.views.append((t, base, start * base.element_size()))
     return t
 
 
@@ -204,6 +220,12 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
     where = {id(t): i for i, t in enumerate(tensors) if t is not None}
     if len(where) != sum(t is not None for t in tensors):
         return None  # one tensor in two roles: which one a launch argument stands for is unknown
+    views: list[tuple[int, int]] = []
+    for t, base, offset in rec.views:
+        if id(base) not in where or id(t) in where:
+            return None  # a tail of a tensor the plan cannot name
+        where[id(t)] = len(tensors) + len(views)
+        views.append((where[id(base)], offset))
     launches = []
     for compiled, grid, args in rec.launches:
         template, slots = [], []
@@ -219,11 +241,11 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
         launches.append((runner, _direct(compiled, grid), template, tuple(slots)))
     outs = []
     for t in outputs:
-        if t is not None and id(t) not in where:
-            return None
+        if t is not None and where.get(id(t), len(tensors)) >= len(tensors):
+            return None  # not a role or an allocation (a tail is never returned)
         outs.append(None if t is None else where[id(t)])
     return CallPlan(tuple((shape, dtype) for shape, dtype, _ in rec.allocs), tuple(launches), tuple(outs),
-                    tuple(0 if t is None else t.data_ptr() for t in rec.roles), device)
+                    tuple(0 if t is None else t.data_ptr() for t in rec.roles), device, tuple(views))
 
 
 def _direct(compiled: Any, grid: tuple) -> tuple | None:

@@ -349,8 +349,11 @@ def launch(
     if total > 1:
         if max_logits is not None:
             raise ValueError("max logits are only produced without split-KV (num_splits=1)")
-        part_o = call_plan.empty((num_tokens * total * num_heads * head_dim,), torch.float32, device)
-        part_lse = call_plan.empty((num_tokens * total * num_heads,), torch.float32, device)
+        # One allocation for both partials: one allocation less per call. The lse part starts
+        # 16-byte aligned, as a buffer of its own would.
+        n_o = -(-num_tokens * total * num_heads * head_dim // 4) * 4
+        part_o = call_plan.empty((n_o + num_tokens * total * num_heads,), torch.float32, device)
+        part_lse = call_plan.tail(part_o, n_o)
     else:
         part_o = part_lse = lse
     qk_scale = softmax_scale * kernels.LOG2E
