@@ -177,7 +177,7 @@ def _allocate_and_launch(q, sets, softmax_scale, attn_sink, out, num_splits, wan
 
 
 def plan_key(entry: str, q: object, sets: object, *scalars: object) -> tuple | None:
-    """The signature (:func:`dsv4attn.ops.call_plan.signature`) of a call of ``entry`` with
+    """The signature (:func:`dsv4attn.ops.call_plan.signatures`) of a call of ``entry`` with
     query ``q``, candidate ``sets`` and the other arguments ``scalars`` (tensors or plain
     values), or None where no plan can serve it: plans or the launch cache are off, the cache
     does not serve q's device, or ``sets`` is not a list or tuple of at most two :class:`CandidateSet` (the
@@ -187,16 +187,14 @@ def plan_key(entry: str, q: object, sets: object, *scalars: object) -> tuple | N
         return None
     if sets.__class__ not in (list, tuple) or len(sets) > 2:  # type: ignore[arg-type]
         return None
-    sig = call_plan.signature
+    sigs = call_plan.signatures
     set_sigs = []
     try:
         for s in sets:  # type: ignore[attr-defined]
             if s.__class__ is not CandidateSet:
                 return None
-            set_sigs.append((sig(s.layout), sig(s.cache), sig(s.lengths), sig(s.indices), sig(s.block_table),
-                             sig(s.token_to_req), sig(s.starts)))
-        return (entry, launch_cache.current_device(), sets.__class__, sig(q), tuple(set_sigs),
-                *[sig(a) for a in scalars])
+            set_sigs.append(sigs((s.layout, s.cache, s.lengths, s.indices, s.block_table, s.token_to_req, s.starts)))
+        return (entry, launch_cache.current_device(), sets.__class__, tuple(set_sigs), sigs((q, *scalars)))
     except (RuntimeError, TypeError, AttributeError):  # e.g. a tensor without storage: the checks name it
         return None
 
