@@ -128,7 +128,7 @@ def flash_mla_with_kvcache(
                    extra_indices_in_kvcache, topk_length, extra_topk_length, out, head_dim_v,
                    tile_scheduler_metadata.__class__, num_splits, softmax_scale, causal, is_fp8_kvcache, impl)
     if key is not None:
-        kept = _kept(key)
+        kept = call_plan.get(key)
         meta = tile_scheduler_metadata
         if kept is not None and (not meta.have_initialized or meta.config == kept[1]):
             plan, config, splits = kept
@@ -211,14 +211,6 @@ def _with_kvcache_outputs(res: torch.Tensor, lse: torch.Tensor, q_shape: torch.S
     return res, lse.view(batch, s_q, num_heads).transpose(1, 2)
 
 
-def _kept(key: tuple) -> tuple | None:
-    """What :func:`_keep_if_same_tensors` kept under ``key`` (None for an unhashable key)."""
-    try:
-        return call_plan.get(key)
-    except TypeError:
-        return None
-
-
 def _keep_if_same_tensors(key: tuple | None, roles: list, extra: tuple) -> None:
     """Keep the plan the inner :func:`sparse_mla_forward` call just made under this entry
     point's ``key``, with ``extra`` values, when it can be run on this entry point's own
@@ -274,7 +266,7 @@ def flash_mla_sparse_fwd(
                    out, impl)
     roles = [q, attn_sink, out, kv, topk_length, indices, None, None, None]
     if key is not None:
-        kept = _kept(key)
+        kept = call_plan.get(key)
         if kept is not None:
             res, lse, max_logits = kept[0].run(roles)
             return (res if d_v == q.shape[2] else res[..., :d_v]), max_logits, lse

@@ -543,3 +543,16 @@ def test_a_tail_of_an_allocation_is_launched_at_its_offset(device):
         part = call_plan.tail(buf, 6)
         call_plan.note_launch(compiled, (2,), [q, part, buf])
         assert call_plan.finish(rec, ("tail returned",), [part], device) is None
+
+
+def test_an_unhashable_signature_is_never_planned():
+    """A key holding an unhashable argument (e.g. a bad layout object the checks will name):
+    nothing is found, seen or kept under it, and no TypeError escapes before the checks."""
+    key = ("entry", ([1, 2],))
+    call_plan.clear()
+    assert call_plan.get(key) is None
+    assert call_plan.seen_before(key) is False
+    assert call_plan.seen_before(key) is False  # still not seen: it cannot be remembered
+    call_plan.keep(key, "plan")
+    assert call_plan.get(key) is None
+    assert call_plan.get(("entry", (1, 2))) is None

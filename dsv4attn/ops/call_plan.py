@@ -4,7 +4,7 @@ An eager decode call is host-bound at small batches: after the launch cache
 (:mod:`dsv4attn.ops.launch_cache`) most of its host time is this library's own Python, i.e.
 validating ~10 tensors, resolving layouts and the kernel config, and assembling 60-argument
 launch lists (docs/design.md, "Host overhead"). All of that is a pure function of what a
-:func:`signature` holds (per tensor: class, dtype, device, shape, strides and the low 4 bits of
+:func:`signatures` holds (per tensor: class, dtype, device, shape, strides and the low 4 bits of
 its address; the scalar arguments with their types): two calls with equal signatures pass or
 fail the same checks and launch the same kernels with the same integer arguments, on other
 addresses.
@@ -52,25 +52,23 @@ _seen: dict = {}
 _local = threading.local()
 
 
-def signature(t: Any) -> Any:
-    """What the checks and launch decisions read of one tensor argument (``None`` stays
-    ``None``): class, dtype, device, shape, strides and the address modulo 16 (alignment
-    checks and Triton's 16-byte specialisation). Other objects are kept as (class, value)."""
-    return signatures((t,))[0]
-
-
 def signatures(args: Iterable) -> tuple:
-    """``tuple(signature(a) for a in args)``, in one comprehension: an entry point's key takes
-    16-20 of them per call, on the eager path's host time."""
+    """What the checks and launch decisions read of each argument: per tensor its class, dtype,
+    device, shape, strides and address modulo 16 (alignment checks and Triton's 16-byte
+    specialisation); ``None`` stays ``None``; other objects are kept as (class, value). One
+    comprehension: an entry point's key takes 16-20 of them per call, on the eager path."""
     tensor = torch.Tensor
     return tuple([(a.__class__, a.dtype, a.device, a.shape, a.stride(), a.data_ptr() & 15) if isinstance(a, tensor)
                   else None if a is None else (a.__class__, a) for a in args])
 
 
 def get(key: Any) -> Any:
-    """What :func:`keep` kept under ``key`` (None if nothing); ``TypeError`` for an
-    unhashable key."""
-    return _plans.get(key)
+    """What :func:`keep` kept under ``key``; None if nothing, or if ``key`` is unhashable (an
+    argument such as a bad layout object: no plan serves it, and the checks name it)."""
+    try:
+        return _plans.get(key)
+    except TypeError:
+        return None
 
 
 def clear() -> None:
@@ -83,8 +81,11 @@ def seen_before(key: Any) -> bool:
     """Whether a call with signature ``key`` came before (since the last :func:`clear`); notes
     this one. An entry point records a plan only then, so a signature met once (a one-off
     shape) costs no recording (about half again the checked path's host time on CPU)."""
-    if key in _seen:
-        return True
+    try:
+        if key in _seen:
+            return True
+    except TypeError:  # unhashable: never planned (see get)
+        return False
     _remember(_seen, key, True)
     return False
 
@@ -120,19 +121,18 @@ class CallPlan:
         ptrs = [0 if t is None else t.data_ptr() for t in tensors]
         for base, offset in self.views:
             ptrs.append(ptrs[base] + offset)
-        if self.stream_source is not None and DIRECT and hooks_idle():
-            # Triton's launcher straight away, on the current stream (looked up once per call)
-            stream = self.stream_source[0](self.stream_source[1])
-            for _, (run, gx, gy, gz, function, meta), template, slots in self.launches:
-                args = template.copy()
-                for pos, role in slots:
-                    args[pos] = ptrs[role]
+        source = self.stream_source
+        direct = source is not None and DIRECT and hooks_idle()
+        # Triton's launcher straight away, on the current stream (looked up once per call)
+        stream = source[0](source[1]) if source is not None and direct else None
+        for runner, parts, template, slots in self.launches:
+            args = template.copy()
+            for pos, role in slots:
+                args[pos] = ptrs[role]
+            if direct:
+                run, gx, gy, gz, function, meta = parts
                 run(gx, gy, gz, stream, function, meta, None, None, None, *args)
-        else:
-            for runner, _, template, slots in self.launches:
-                args = template.copy()
-                for pos, role in slots:
-                    args[pos] = ptrs[role]
+            else:
                 runner(*args)
         return [None if i is None else tensors[i] for i in self.outputs]
 
@@ -302,6 +302,10 @@ def keep(key: Any, plan: Any) -> None:
 
 
 def _remember(table: dict, key: Any, value: Any) -> None:
+    try:
+        hash(key)
+    except TypeError:  # unhashable: nothing to remember it by (get finds nothing either)
+        return
     if len(table) >= MAX_PLANS:
         try:  # the oldest
             table.pop(next(iter(table)), None)

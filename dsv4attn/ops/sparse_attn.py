@@ -98,14 +98,10 @@ def sparse_mla_forward(
     both call this; its reference is ``sparse_mla_forward_ref``)."""
     key = plan_key("sparse_mla_forward", q, sets, softmax_scale, attn_sink, out, impl, num_splits, want_max,
                    prefill, deterministic)
-    if key is not None:
-        try:
-            plan = call_plan.get(key)
-        except TypeError:  # something unhashable (a bad layout): the checks below name it
-            plan = key = None
-        if plan is not None:
-            res = plan.run(plan_roles(q, sets, attn_sink, out))
-            return res[0], res[1], res[2]
+    plan = None if key is None else call_plan.get(key)
+    if plan is not None:
+        res = plan.run(plan_roles(q, sets, attn_sink, out))
+        return res[0], res[1], res[2]
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     if not 1 <= num_heads <= MAX_HEADS:
