@@ -317,6 +317,7 @@ BAD_OP_CALLS = [
     ("lengths int64", TypeError), ("q fp16", TypeError), ("cache 2 bytes in", ValueError),
     ("sets a duck", TypeError), ("sink shape", ValueError), ("out dtype", TypeError), ("num_splits=0", ValueError),
     ("impl=fast", ValueError), ("indices strided", ValueError), ("lengths on meta", ValueError),
+    ("softmax_scale a list", TypeError),
 ]
 
 
@@ -346,7 +347,7 @@ def test_bad_input_is_refused_after_a_plan_exists(change, error, stand_ins, devi
         "q fp16": dict(q=q.half()), "cache 2 bytes in": dict(sets=[dataclasses.replace(s, cache=shifted)]),
         "sets a duck": dict(sets=[Duck(s)]), "sink shape": dict(attn_sink=sink[:32]),
         "out dtype": dict(out=torch.empty(4, 64, 512, device=device)), "num_splits=0": dict(num_splits=0),
-        "impl=fast": dict(impl="fast"),
+        "impl=fast": dict(impl="fast"), "softmax_scale a list": dict(softmax_scale=[0.1]),  # an unhashable key
         "indices strided": dict(sets=[dataclasses.replace(s, indices=wide[:, ::2])]),
         "lengths on meta": dict(sets=[dataclasses.replace(s, lengths=s.lengths.to("meta"))]),
     }[change])
@@ -358,6 +359,8 @@ def test_bad_input_is_refused_after_a_plan_exists(change, error, stand_ins, devi
     with pytest.raises(error) as with_plan:
         call(bad)
     assert str(with_plan.value) == str(without_plan.value)
+    if change.startswith("softmax_scale"):
+        assert "softmax_scale" in str(with_plan.value)
 
 
 def test_metadata_bound_to_other_shapes_is_refused_by_a_planned_signature(stand_ins, device):
