@@ -131,7 +131,7 @@ def flash_mla_with_kvcache(
         kept = call_plan.get(key)
         meta = tile_scheduler_metadata
         if kept is not None and (not meta.have_initialized or meta.config == kept[1]):
-            plan, config, splits = kept
+            plan, config, splits, shaped = kept
             s_q = q.shape[1]  # the signature passed the checks: lengths are per-batch int32 vectors
             res, lse, _ = plan.run(_kvcache_roles(
                 q, attn_sink, out, k_cache, _per_token(topk_length, s_q), indices, extra_k_cache,
@@ -139,7 +139,7 @@ def flash_mla_with_kvcache(
             if not meta.have_initialized:
                 meta.have_initialized, meta.config = True, config
                 meta.num_splits = torch.tensor([splits], dtype=torch.int32)
-            return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
+            return (res, lse) if shaped else _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
     if indices is None:
         raise ValueError("flash_mla_with_kvcache: only sparse mode (indices given) is implemented; "
                          "dense paged MLA is not part of dsv4attn")
@@ -182,12 +182,13 @@ def flash_mla_with_kvcache(
     if out is not None and dst is None:  # out cannot be written in place: copied (no plan of its own)
         out.copy_(_with_kvcache_outputs(res, lse, q.shape, head_dim_v)[0])
         return out, lse.view(batch, s_q, num_heads).transpose(1, 2)
+    final = _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
     if key is not None and meta.num_splits is not None:  # the roles as the op saw them (per-token lengths)
         _keep_if_same_tensors(key, _kvcache_roles(
             q, attn_sink, out, k_cache, sets[0].lengths, indices, extra_k_cache,
             sets[-1].lengths if extra_k_cache is not None else None, extra_indices_in_kvcache),
-            (config, int(meta.num_splits[0])))
-    return _with_kvcache_outputs(res, lse, q.shape, head_dim_v)
+            (config, int(meta.num_splits[0])), (res, lse, None), (*final, None))
+    return final
 
 
 def _kvcache_roles(q, attn_sink, out, k_cache, lengths, indices, extra_k_cache, extra_lengths,
@@ -211,16 +212,22 @@ def _with_kvcache_outputs(res: torch.Tensor, lse: torch.Tensor, q_shape: torch.S
     return res, lse.view(batch, s_q, num_heads).transpose(1, 2)
 
 
-def _keep_if_same_tensors(key: tuple | None, roles: list, extra: tuple) -> None:
+def _keep_if_same_tensors(key: tuple | None, roles: list, extra: tuple, made: tuple = (),
+                          finals: tuple = ()) -> None:
     """Keep the plan the inner :func:`sparse_mla_forward` call just made under this entry
     point's ``key``, with ``extra`` values, when it can be run on this entry point's own
     tensors: each of ``roles`` is at the address the op saw in that role (the op received views
     of them, not copies). Equal signatures give equal answers, so the check holds for every
-    later call with this key."""
+    later call with this key. With ``made`` (the op's outputs) and ``finals`` (this entry
+    point's views of them), the kept plan returns the finals' shapes where it can
+    (:meth:`~dsv4attn.ops.call_plan.CallPlan.shaped`), and a last extra value says whether it does."""
     plan = call_plan.take_last()
     if key is None or plan is None:
         return
     if tuple(0 if t is None else t.data_ptr() for t in roles) == plan.role_ptrs:
+        if made:
+            shaped = plan.shaped(made, finals, roles)
+            plan, extra = (plan, (*extra, False)) if shaped is None else (shaped, (*extra, True))
         call_plan.keep(key, (plan, *extra))
 
 

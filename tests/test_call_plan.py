@@ -309,6 +309,9 @@ def test_planned_outputs_have_the_checked_shapes_and_views(stand_ins, device):
             assert (c.shape, c.stride(), c.dtype) == (p.shape, p.stride(), p.dtype), case
         if x["out"] is not None:
             assert planned[0].data_ptr() == x["out"].data_ptr()
+        if case.startswith("kvcache"):  # allocated in the returned shapes, no view per call, where they are dense
+            (kept,) = [v for v in call_plan._plans.values() if isinstance(v, tuple)]
+            assert kept[-1] is (case != "kvcache-head-dim-v"), case
 
 
 # Each bad variant of a call whose good form has a plan: (what changes, the error).
@@ -546,6 +549,32 @@ def test_a_tail_of_an_allocation_is_launched_at_its_offset(device):
         part = call_plan.tail(buf, 6)
         call_plan.note_launch(compiled, (2,), [q, part, buf])
         assert call_plan.finish(rec, ("tail returned",), [part], device) is None
+
+
+def test_a_shaped_plan_allocates_outputs_in_their_final_views(device):
+    """:meth:`CallPlan.shaped`: an allocated output whose final view covers the allocation
+    exactly (a transpose) is allocated with that view's shape and strides and launched at its
+    address; a role output is returned as the caller's tensor. A final that is a slice, a
+    broadcast, another tensor's view, or a role output in another shape keeps no shaped plan."""
+    log: list = []
+    compiled = _Compiled(log)
+    q, o = torch.zeros(4, device=device), torch.zeros(2, 3, device=device)
+    with call_plan.recording([q, o]) as rec:
+        buf = call_plan.empty((4, 6), torch.float32, device)
+        call_plan.note_launch(compiled, (1,), [q, buf, o])
+        plan = call_plan.finish(rec, ("shaped",), [buf, o], device)
+    assert plan is not None
+    shaped = plan.shaped([buf, o], [buf.t(), o], [q, o])
+    assert shaped is not None
+    x, y = torch.zeros(4, device=device), torch.zeros(2, 3, device=device)
+    t, r = shaped.run([x, y])
+    assert (t.shape, t.stride(), t.dtype) == ((6, 4), (1, 6), torch.float32) and r is y
+    assert log[-1] == ((1, 1, 1), (x.data_ptr(), t.data_ptr(), y.data_ptr()))
+    (u, _) = plan.run([x, y])  # the plan itself is unchanged
+    assert (u.shape, u.stride()) == ((4, 6), (6, 1))
+    for finals in ([buf[:, :3], o], [buf.view(-1)[:1].expand(24), o], [torch.zeros(6, 4, device=device), o],
+                   [buf.t(), o.view(-1)], [buf.t(), None]):
+        assert plan.shaped([buf, o], finals, [q, o]) is None
 
 
 def test_an_unhashable_signature_is_never_planned():

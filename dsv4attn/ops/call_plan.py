@@ -93,8 +93,9 @@ def seen_before(key: Any) -> bool:
 class CallPlan:
     """The allocations and launches of one call signature, replayed on new tensors.
 
-    ``allocs``: ``(shape, dtype)`` of each tensor the call allocates, on the call's device,
-    appended to the roles in order; ``launches``: per kernel launch the runner Triton's
+    ``allocs``: ``(shape, strides, dtype)`` of each tensor the call allocates, on the call's
+    device, appended to the roles in order (contiguous as recorded; :meth:`shaped` may give an
+    output the strides of a wrapper's view of it); ``launches``: per kernel launch the runner Triton's
     compiled kernel returns for its grid, the parts to call its launcher directly
     (:func:`_direct`, or None), the argument list with the tensor positions blank, and
     ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
@@ -117,7 +118,8 @@ class CallPlan:
         entry point fixes, ``None`` where absent) and return the output tensors (``None``
         where the call returns none)."""
         device = self.device
-        tensors = roles + [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
+        tensors = roles + [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                           for shape, strides, dtype in self.allocs]
         ptrs = [0 if t is None else t.data_ptr() for t in tensors]
         for base, offset in self.views:
             ptrs.append(ptrs[base] + offset)
@@ -136,6 +138,38 @@ class CallPlan:
                 runner(*args)
         return [None if i is None else tensors[i] for i in self.outputs]
 
+
+    def shaped(self, made: Sequence, finals: Sequence, roles: Sequence) -> CallPlan | None:
+        """This plan returning its outputs in the shapes a wrapper gives them, with no view made
+        per call. ``made``: the outputs of the call that recorded it (None where absent);
+        ``finals``: the wrapper's view of each (a reshape, a transpose); ``roles``: that call's
+        roles. An allocated output is then allocated in its final shape and strides, which must
+        cover the allocation exactly (every element at the same byte, so each launch argument
+        stands); an output that is a role is returned as the caller's tensor, so its final must
+        be that tensor's own shape and strides (which the signature fixes). None otherwise."""
+        allocs, n_roles = list(self.allocs), len(self.role_ptrs)
+        for i, m, f in zip(self.outputs, made, finals, strict=True):
+            if i is None or m is None or f is None:
+                if not (i is None and m is None and f is None):
+                    return None
+                continue
+            if f.data_ptr() != m.data_ptr():
+                return None
+            shape, strides = tuple(f.shape), f.stride()
+            if i < n_roles:
+                if (tuple(roles[i].shape), roles[i].stride()) != (shape, strides):
+                    return None
+                continue
+            numel = f.numel()
+            span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+            if not (m.is_contiguous() and numel == m.numel() == span > 0 and min(strides, default=0) >= 0):
+                return None
+            allocs[i - n_roles] = (shape, strides, allocs[i - n_roles][2])
+        plan = CallPlan.__new__(CallPlan)
+        for slot in CallPlan.__slots__:
+            setattr(plan, slot, getattr(self, slot))
+        plan.allocs = tuple(allocs)
+        return plan
 
 class _Recording:
     def __init__(self, roles: Sequence) -> None:
@@ -250,7 +284,7 @@ def _plan(rec: _Recording, outputs: Sequence, device: torch.device) -> CallPlan 
         if t is not None and where.get(id(t), len(tensors)) >= len(tensors):
             return None  # not a role or an allocation (a tail is never returned)
         outs.append(None if t is None else where[id(t)])
-    return CallPlan(tuple((shape, dtype) for shape, dtype, _ in rec.allocs), tuple(launches), tuple(outs),
+    return CallPlan(tuple((shape, t.stride(), dtype) for shape, dtype, t in rec.allocs), tuple(launches), tuple(outs),
                     tuple(0 if t is None else t.data_ptr() for t in rec.roles), device, tuple(views))
 
 
