@@ -588,3 +588,19 @@ def test_an_unhashable_signature_is_never_planned():
     call_plan.keep(key, "plan")
     assert call_plan.get(key) is None
     assert call_plan.get(("entry", (1, 2))) is None
+
+
+@pytest.mark.parametrize("value,direct", [(None, False), ("1", True), ("0", False)])
+def test_the_environment_switches_direct_launches(value, direct):
+    """``DSV4ATTN_DIRECT_LAUNCH=1`` turns ``call_plan.DIRECT`` on for a process (a GPU call sets
+    it for the suites and benchmarks it runs); unset or ``0`` it stays off."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DSV4ATTN_DIRECT_LAUNCH"}
+    if value is not None:
+        env["DSV4ATTN_DIRECT_LAUNCH"] = value
+    res = subprocess.run([sys.executable, "-c", "from dsv4attn.ops import call_plan; print(call_plan.DIRECT)"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == str(direct)

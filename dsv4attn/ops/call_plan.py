@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -42,7 +43,9 @@ ENABLED = True
 #: ``CompiledKernel[grid]`` (False: through the runner; ``scripts/host_overhead.py`` times both).
 #: Off until it has run on a GPU: tested on CPU with stand-ins of the launcher only (the GPU
 #: tests of tests/test_call_plan.py run planned calls both ways, bit for bit against checked ones).
-DIRECT = False
+#: ``DSV4ATTN_DIRECT_LAUNCH=1`` in the environment turns it on for the process (a GPU call can
+#: then run the attention suites and the benchmarks with it, each in its own processes).
+DIRECT = os.environ.get("DSV4ATTN_DIRECT_LAUNCH", "0") == "1"
 #: Plans kept (the oldest dropped first); a serving process meets a few per entry point.
 MAX_PLANS = 512
 
