@@ -7,6 +7,11 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
 * CPU (default without CUDA, or ``--stub``): the Triton kernels are replaced by a no-op stub
   (``kernel[grid](...)`` returns at once), so the time is our Python path only: validation,
   config choice, allocation and argument assembly, without Triton's own launcher.
+* CPU with ``--planned``: the same, but each stand-in returns a stand-in compiled kernel (a
+  no-op launcher, a function handle and packed metadata, as Triton's has), dispatch takes the
+  sm90 kernels and the launch cache serves CPU tensors, so calls are planned as on Hopper: the
+  four modes below then time this library's own Python of a planned call (plans direct: the
+  stand-in launcher called as a plan calls Triton's).
 * GPU (``--device cuda``, no ``--stub``): wall time per eager call of the real path (Triton's
   launcher included) with the device synchronised once before and once after the timed loop,
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
@@ -20,6 +25,7 @@ Prints one line per entry point: median and minimum over ``--repeats`` loops of 
 calls each (the minimum is the figure to compare on a loaded machine).
 
     PYTHONPATH=. python -m scripts.host_overhead            # CPU, stubbed kernels
+    PYTHONPATH=. python -m scripts.host_overhead --planned  # CPU, planned calls on stand-ins
     python3 -m scripts.host_overhead --device cuda          # H200, real launches
     python -m scripts.host_overhead --profile flash_mla_with_kvcache   # cProfile top entries
 """
@@ -47,6 +53,53 @@ class _NoLaunch:
     @staticmethod
     def _call(*args, **kwargs) -> None:
         return None
+
+
+class _NoLaunchCompiled:
+    """Stands in for Triton's compiled kernel: ``[grid]`` gives a no-op runner, ``run`` is a
+    no-op launcher, and it has the function handle and packed metadata a plan passes that."""
+
+    function = packed_metadata = object()
+
+    def __getitem__(self, grid):
+        return _NoLaunch._call
+
+    run = staticmethod(_NoLaunch._call)
+
+
+class _NoLaunchJit:
+    """Stands in for a ``@triton.jit`` kernel (``real``'s parameters, which the launch cache
+    reads): ``kernel[grid](...)`` launches nothing and returns a :class:`_NoLaunchCompiled`."""
+
+    def __init__(self, real) -> None:
+        self.fn = real.fn
+
+    def __getitem__(self, grid):
+        return self._call
+
+    @staticmethod
+    def _call(*args, **kwargs) -> _NoLaunchCompiled:
+        return _NoLaunchCompiled()
+
+
+def stub_planned_kernels() -> None:
+    """Stand-ins with compiled kernels on the sm90 dispatch, the launch cache serving CPU
+    tensors, and plans launching on a stand-in stream: calls are planned (``--planned``)."""
+    import dsv4attn.kernels.sparse_attn as k
+    import dsv4attn.kernels.sparse_attn_prefill as kp
+    from dsv4attn.ops import call_plan, launch_cache
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    k._sparse_mla_attn_kernel = _NoLaunchJit(k._sparse_mla_attn_kernel)
+    k._sparse_mla_combine_kernel = _NoLaunchJit(k._sparse_mla_combine_kernel)
+    kp._sparse_mla_prefill_kernel = _NoLaunchJit(kp._sparse_mla_prefill_kernel)
+    sm90 = {ws: (_NoLaunchJit(kern), warps) for ws, (kern, warps) in ((ws, sl._sm90_kernel(ws)) for ws in (False, True))}
+    sl.sm90_kernel_available = lambda dev: True
+    sl._sm90_kernel = lambda ws, qreg=False: sm90[ws]
+    sl._cached_config.cache_clear()
+    launch_cache.DEVICE_TYPES = ("cpu", "cuda")
+    launch_cache.current_device = lambda: 0
+    call_plan._stream_source = lambda: ((lambda device: 0), 0)
 
 
 def stub_kernels() -> None:
@@ -107,6 +160,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--stub", action="store_true", help="no-op kernels (implied on CPU)")
+    ap.add_argument("--planned", action="store_true", help="CPU: no-op compiled kernels, so calls are planned")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", default=None, help="cProfile one entry point and print the top 25")
@@ -116,10 +170,14 @@ def main() -> None:
     if device.type == "cpu":
         # impl="triton" on CPU needs Triton's interpreter flag; the stub keeps it from running.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if stub:
+    planned = args.planned and device.type == "cpu"
+    if planned:
+        stub_planned_kernels()
+    elif stub:
         stub_kernels()
     calls = build_calls(device)
-    mode = "stubbed kernels (host Python only)" if stub else "real launches, no sync in the loop"
+    mode = ("stand-in compiled kernels, planned (host Python only)" if planned else
+            "stubbed kernels (host Python only)" if stub else "real launches, no sync in the loop")
     print(f"device {device}, {mode}; B{BATCH} h{HEADS} {TOPK}+{SWA} candidates, fp8 pages", flush=True)
     if args.profile:
         fn = calls[args.profile]
@@ -140,8 +198,9 @@ def main() -> None:
     modes = [("plans direct", True, True, True), ("plans runner", True, True, False),
              ("plans off   ", True, False, True), ("cache off   ", False, False, True)]
     for name, fn in calls.items():
-        for tag, cached, planned, direct in modes if device.type == "cuda" else modes[2:3]:  # CPU: no plan or cache
-            launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = cached, planned, direct
+        # CPU with stubs: no plan or cache
+        for tag, cached, plans, direct in modes if device.type == "cuda" or planned else modes[2:3]:
+            launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = cached, plans, direct
             med, best = back_to_back_us(fn, args.calls, args.repeats, device_time=False)
             print(f"{name:24s}  {tag}  median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
     launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = defaults
