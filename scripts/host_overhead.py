@@ -204,6 +204,9 @@ def main() -> None:
             med, best = back_to_back_us(fn, args.calls, args.repeats, device_time=False)
             print(f"{name:24s}  {tag}  median {med:8.1f} us/call   min {best:8.1f} us/call", flush=True)
     launch_cache.ENABLED, call_plan.ENABLED, call_plan.DIRECT = defaults
+    if planned or device.type == "cuda":  # whether the "plans" rows timed planned calls at all
+        print(f"plans kept: {sum(isinstance(v, call_plan.CallPlan) for v in call_plan._plans.values())} of the op, "
+              f"{sum(isinstance(v, tuple) for v in call_plan._plans.values())} of FlashMLA's entry points")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the GPU (docs/benchmarks.md); this guards the tools against API drift between GP
 benchmark or script that no longer starts is found here, not on the device's clock)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,21 @@ def test_script_modules_import():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_host_overhead_plans_calls_on_cpu_stand_ins():
+    """``scripts.host_overhead --planned`` times planned calls: each entry point in its four
+    modes, and plans were kept for all three (the op's, among them those of the FlashMLA entry
+    points' inner calls, and one per FlashMLA entry point)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "scripts.host_overhead", "--planned", "--calls", "5", "--repeats", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for entry in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd", "sparse_mla_attention"):
+        for mode in ("plans direct", "plans runner", "plans off", "cache off"):
+            assert any(line.startswith(entry) and mode in line for line in res.stdout.splitlines()), (entry, mode)
+    kept = re.search(r"plans kept: (\d+) of the op, (\d+) of FlashMLA's entry points", res.stdout)
+    assert kept is not None and int(kept[1]) >= 1 and int(kept[2]) == 2, res.stdout
 
 
 @pytest.mark.parametrize("name", SHELL_SCRIPTS)
