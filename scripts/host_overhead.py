@@ -93,7 +93,8 @@ def stub_planned_kernels() -> None:
     k._sparse_mla_attn_kernel = _NoLaunchJit(k._sparse_mla_attn_kernel)
     k._sparse_mla_combine_kernel = _NoLaunchJit(k._sparse_mla_combine_kernel)
     kp._sparse_mla_prefill_kernel = _NoLaunchJit(kp._sparse_mla_prefill_kernel)
-    sm90 = {ws: (_NoLaunchJit(kern), warps) for ws, (kern, warps) in ((ws, sl._sm90_kernel(ws)) for ws in (False, True))}
+    real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
+    sm90 = {ws: (_NoLaunchJit(kern), warps) for ws, (kern, warps) in real.items()}
     sl.sm90_kernel_available = lambda dev: True
     sl._sm90_kernel = lambda ws, qreg=False: sm90[ws]
     sl._cached_config.cache_clear()

@@ -98,8 +98,8 @@ class CallPlan:
 
     ``allocs``: ``(shape, strides, dtype)`` of each tensor the call allocates, on the call's
     device, appended to the roles in order (contiguous as recorded; :meth:`shaped` may give an
-    output the strides of a wrapper's view of it); ``launches``: per kernel launch the runner Triton's
-    compiled kernel returns for its grid, the parts to call its launcher directly
+    output the strides of a wrapper's view of it); ``launches``: per kernel launch the runner
+    Triton's compiled kernel returns for its grid, the parts to call its launcher directly
     (:func:`_direct`, or None), the argument list with the tensor positions blank, and
     ``(position, role)`` pairs to fill with addresses; ``outputs``: the roles returned.
     ``role_ptrs``: the recording call's role addresses (a wrapper checks its own roles against
@@ -141,7 +141,6 @@ class CallPlan:
                 runner(*args)
         return [None if i is None else tensors[i] for i in self.outputs]
 
-
     def shaped(self, made: Sequence, finals: Sequence, roles: Sequence) -> CallPlan | None:
         """This plan returning its outputs in the shapes a wrapper gives them, with no view made
         per call. ``made``: the outputs of the call that recorded it (None where absent);
@@ -173,6 +172,7 @@ class CallPlan:
             setattr(plan, slot, getattr(self, slot))
         plan.allocs = tuple(allocs)
         return plan
+
 
 class _Recording:
     def __init__(self, roles: Sequence) -> None:
