@@ -4,14 +4,15 @@ Production decode shapes: B = 64 tokens, h = 64 heads, head_dim 512, fp8_ds_mla 
 size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices form), sink.
 ``flash_mla_sparse_fwd`` runs 64 tokens over a bf16 kv of 32768 rows, top-k 512.
 
-* CPU (default without CUDA, or ``--stub``): the Triton kernels are replaced by a no-op stub
-  (``kernel[grid](...)`` returns at once), so the time is our Python path only: validation,
-  config choice, allocation and argument assembly, without Triton's own launcher.
-* CPU with ``--planned``: the same, but each stand-in returns a stand-in compiled kernel (a
-  no-op launcher, a function handle and packed metadata, as Triton's has), dispatch takes the
-  sm90 kernels and the launch cache serves CPU tensors, so calls are planned as on Hopper: the
-  four modes below then time this library's own Python of a planned call (plans direct: the
-  stand-in launcher called as a plan calls Triton's).
+* CPU (default without CUDA, or ``--stub``): the Triton kernels are replaced by no-op stand-ins
+  (``kernel[grid](...)`` returns at once a stand-in compiled kernel: a no-op launcher, a
+  function handle and packed metadata, as Triton's has), so the time is our Python path only:
+  validation, config choice, allocation and argument assembly, without Triton's own launcher.
+  Off a GPU the launch cache leaves CPU tensors alone, so these calls are not planned.
+* CPU with ``--planned``: the same, but dispatch takes the sm90 kernels (stand-ins too) and the
+  launch cache serves CPU tensors, so calls are planned as on Hopper: the four modes below then
+  time this library's own Python of a planned call (plans direct: the stand-in launcher called
+  as a plan calls Triton's).
 * GPU (``--device cuda``, no ``--stub``): wall time per eager call of the real path (Triton's
   launcher included) with the device synchronised once before and once after the timed loop,
   i.e. no sync inside it; with ``--calls`` large enough the queue fills, so this is the host
@@ -44,15 +45,8 @@ from benchmarks.common import back_to_back_us
 BATCH, HEADS, D, BLOCK, TOPK, SWA, ENTRY_BYTES = 64, 64, 512, 64, 512, 128, 584
 
 
-class _NoLaunch:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
-
-    def __getitem__(self, grid):
-        return self._call
-
-    @staticmethod
-    def _call(*args, **kwargs) -> None:
-        return None
+def _no_op(*args, **kwargs) -> None:
+    return None
 
 
 class _NoLaunchCompiled:
@@ -60,14 +54,13 @@ class _NoLaunchCompiled:
     no-op launcher, and it has the function handle and packed metadata a plan passes that."""
 
     function = packed_metadata = object()
+    run = staticmethod(_no_op)
 
     def __getitem__(self, grid):
-        return _NoLaunch._call
-
-    run = staticmethod(_NoLaunch._call)
+        return _no_op
 
 
-class _NoLaunchJit:
+class _NoLaunch:
     """Stands in for a ``@triton.jit`` kernel (``real``'s parameters, which the launch cache
     reads): ``kernel[grid](...)`` launches nothing and returns a :class:`_NoLaunchCompiled`."""
 
@@ -82,35 +75,29 @@ class _NoLaunchJit:
         return _NoLaunchCompiled()
 
 
-def stub_planned_kernels() -> None:
-    """Stand-ins with compiled kernels on the sm90 dispatch, the launch cache serving CPU
-    tensors, and plans launching on a stand-in stream: calls are planned (``--planned``)."""
+def stub_kernels(planned: bool = False) -> None:
+    """Replace the attention kernels by :class:`_NoLaunch` (host-only timing). Off a GPU the
+    launch cache takes Triton's usual path, so calls are not planned; with ``planned``
+    (``--planned``) dispatch takes the sm90 kernels (stand-ins too), the launch cache serves CPU
+    tensors and plans launch on a stand-in stream, so calls are planned as on Hopper."""
     import dsv4attn.kernels.sparse_attn as k
     import dsv4attn.kernels.sparse_attn_prefill as kp
     from dsv4attn.ops import call_plan, launch_cache
     from dsv4attn.ops import sparse_attn_launch as sl
 
-    k._sparse_mla_attn_kernel = _NoLaunchJit(k._sparse_mla_attn_kernel)
-    k._sparse_mla_combine_kernel = _NoLaunchJit(k._sparse_mla_combine_kernel)
-    kp._sparse_mla_prefill_kernel = _NoLaunchJit(kp._sparse_mla_prefill_kernel)
+    k._sparse_mla_attn_kernel = _NoLaunch(k._sparse_mla_attn_kernel)
+    k._sparse_mla_combine_kernel = _NoLaunch(k._sparse_mla_combine_kernel)
+    kp._sparse_mla_prefill_kernel = _NoLaunch(kp._sparse_mla_prefill_kernel)
+    if not planned:
+        return
     real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
-    sm90 = {ws: (_NoLaunchJit(kern), warps) for ws, (kern, warps) in real.items()}
+    sm90 = {ws: (_NoLaunch(kern), warps) for ws, (kern, warps) in real.items()}
     sl.sm90_kernel_available = lambda dev: True
     sl._sm90_kernel = lambda ws, qreg=False: sm90[ws]
     sl._cached_config.cache_clear()
     launch_cache.DEVICE_TYPES = ("cpu", "cuda")
     launch_cache.current_device = lambda: 0
     call_plan._stream_source = lambda: ((lambda device: 0), 0)
-
-
-def stub_kernels() -> None:
-    """Replace the attention kernels by :class:`_NoLaunch` (host-only timing)."""
-    import dsv4attn.kernels.sparse_attn as k
-    import dsv4attn.kernels.sparse_attn_prefill as kp
-
-    k._sparse_mla_attn_kernel = _NoLaunch()
-    k._sparse_mla_combine_kernel = _NoLaunch()
-    kp._sparse_mla_prefill_kernel = _NoLaunch()
 
 
 def build_calls(device: torch.device) -> dict:
@@ -172,10 +159,8 @@ def main() -> None:
         # impl="triton" on CPU needs Triton's interpreter flag; the stub keeps it from running.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     planned = args.planned and device.type == "cpu"
-    if planned:
-        stub_planned_kernels()
-    elif stub:
-        stub_kernels()
+    if stub or planned:
+        stub_kernels(planned)
     calls = build_calls(device)
     mode = ("stand-in compiled kernels, planned (host Python only)" if planned else
             "stubbed kernels (host Python only)" if stub else "real launches, no sync in the loop")
