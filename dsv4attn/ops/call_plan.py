@@ -167,11 +167,7 @@ class CallPlan:
             if not (m.is_contiguous() and numel == m.numel() == span > 0 and min(strides, default=0) >= 0):
                 return None
             allocs[i - n_roles] = (shape, strides, allocs[i - n_roles][2])
-        plan = CallPlan.__new__(CallPlan)
-        for slot in CallPlan.__slots__:
-            setattr(plan, slot, getattr(self, slot))
-        plan.allocs = tuple(allocs)
-        return plan
+        return CallPlan(tuple(allocs), self.launches, self.outputs, self.role_ptrs, self.device, self.views)
 
 
 class _Recording:
