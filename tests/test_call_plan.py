@@ -12,6 +12,9 @@ end compare a planned call's outputs with the checked path's, bit for bit, on th
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -594,10 +597,6 @@ def test_an_unhashable_signature_is_never_planned():
 def test_the_environment_switches_direct_launches(value, direct):
     """``DSV4ATTN_DIRECT_LAUNCH=1`` turns ``call_plan.DIRECT`` on for a process (a GPU call sets
     it for the suites and benchmarks it runs); unset or ``0`` it stays off."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "DSV4ATTN_DIRECT_LAUNCH"}
     if value is not None:
         env["DSV4ATTN_DIRECT_LAUNCH"] = value
