@@ -603,3 +603,39 @@ def test_the_environment_switches_direct_launches(value, direct):
     res = subprocess.run([sys.executable, "-c", "from dsv4attn.ops import call_plan; print(call_plan.DIRECT)"],
                          env=env, capture_output=True, text=True, check=True)
     assert res.stdout.strip() == str(direct)
+
+
+@pytest.mark.parametrize("change,name", [("out shape", "out"), ("out dtype", "out"), ("head_dim_v", "head_dim_v"),
+                                         ("q dtype", "q"), ("extra_k_cache alone", "extra_k_cache")])
+def test_bad_input_is_refused_after_a_shaped_flashmla_plan_exists(change, name, stand_ins, device):
+    """A ``flash_mla_with_kvcache`` signature whose plan allocates out and lse in their returned
+    shapes: a bad variant of the call takes the checked path and is refused naming the argument,
+    launches nothing and leaves the caches as they were; the shaped plan still serves the good call."""
+    make, run, _ = _flashmla_case("kvcache-two-caches", device)
+    x = make()
+    run(x)
+    good = run(x)  # recorded: a shaped plan exists from here
+    assert [v for v in call_plan._plans.values() if isinstance(v, tuple)][0][-1] is True
+    caches = (x["a.cache"].clone(), x["b.cache"].clone())
+    q4, meta = x["q"].view(3, 1, 64, 512), dsv4attn.get_mla_metadata()[0]
+    kw = dict(softmax_scale=0.07, is_fp8_kvcache=True, indices=x["a.indices"].view(3, 1, -1), attn_sink=x["sink"],
+              extra_k_cache=x["b.cache"].unsqueeze(-2), extra_indices_in_kvcache=x["b.indices"].view(3, 1, -1),
+              topk_length=x["lens"], impl="triton")
+    head_dim_v = 512
+    if change == "out shape":
+        kw["out"] = torch.empty(3, 1, 64, 256, dtype=torch.bfloat16, device=device)
+    elif change == "out dtype":
+        kw["out"] = torch.empty(3, 1, 64, 512, dtype=torch.float32, device=device)
+    elif change == "head_dim_v":
+        head_dim_v = 0
+    elif change == "q dtype":
+        q4 = q4.float()
+    else:
+        kw["extra_indices_in_kvcache"] = None
+    stand_ins.clear()
+    with pytest.raises((TypeError, ValueError), match=name):
+        dsv4attn.flash_mla_with_kvcache(q4, x["a.cache"].unsqueeze(-2), None, None, head_dim_v, meta, **kw)
+    assert len(stand_ins) == 0, "a refused call launched a kernel"
+    assert torch.equal(x["a.cache"], caches[0]) and torch.equal(x["b.cache"], caches[1])
+    again = run(x)
+    assert [(t.shape, t.stride()) for t in again] == [(t.shape, t.stride()) for t in good]
