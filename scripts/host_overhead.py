@@ -19,7 +19,7 @@ size 64, 512 top-k candidates + 128 SWA candidates in a second cache (indices fo
   time only while the host is slower than the kernels (small batches). Each entry point is
   timed four ways: call plans (:mod:`dsv4attn.ops.call_plan`) and the launch cache
   (:mod:`dsv4attn.ops.launch_cache`) on, with the plans calling Triton's launcher directly
-  (``call_plan.DIRECT = True``) or through its runner closure (the default); the launch cache
+  (``call_plan.DIRECT = True``, the default) or through its runner closure; the launch cache
   alone; neither.
 
 Prints one line per entry point: median and minimum over ``--repeats`` loops of ``--calls``

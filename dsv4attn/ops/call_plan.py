@@ -41,11 +41,11 @@ import torch
 ENABLED = True
 #: Launch planned kernels through Triton's launcher itself, without the runner closure of
 #: ``CompiledKernel[grid]`` (False: through the runner; ``scripts/host_overhead.py`` times both).
-#: Off until it has run on a GPU: tested on CPU with stand-ins of the launcher only (the GPU
-#: tests of tests/test_call_plan.py run planned calls both ways, bit for bit against checked ones).
-#: ``DSV4ATTN_DIRECT_LAUNCH=1`` in the environment turns it on for the process (a GPU call can
-#: then run the attention suites and the benchmarks with it, each in its own processes).
-DIRECT = os.environ.get("DSV4ATTN_DIRECT_LAUNCH", "0") == "1"
+#: On: on an H200 (docs/benchmarks.md, Table 65) planned calls launched this way are bit for bit
+#: the checked calls (tests/test_call_plan.py runs them both ways) and take 2-7 us less host time
+#: than through the runner. ``DSV4ATTN_DIRECT_LAUNCH=0`` in the environment turns it off for the
+#: process.
+DIRECT = os.environ.get("DSV4ATTN_DIRECT_LAUNCH", "1") != "0"
 #: Plans kept (the oldest dropped first); a serving process meets a few per entry point.
 MAX_PLANS = 512
 
