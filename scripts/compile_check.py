@@ -92,7 +92,7 @@ def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster,
-    the merged sets and the two producer warpgroups; the cluster's K-stage offset is checked
+    the merged sets and the two producer warpgroups, on halves or alternate chunks; the cluster's K-stage offset is checked
     against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
     copies by rows or by columns)."""
     import inspect

@@ -275,7 +275,6 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     return it
 
 
-
 @gluon.jit
 def _produce_set_alt(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                      cache_ptr, stride_blk, block_size, capacity,
@@ -328,6 +327,7 @@ def _produce_set_alt(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         x0 = y0
         x1 = y1
     return it + n_mine
+
 
 # The pipelined producer (``PIPE``) carries half a chunk's loads across the loop's back edge; as
 # 32-bit words (a uint8 tensor carried through a loop takes one register per byte), one tensor
