@@ -92,7 +92,7 @@ def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster,
-    the merged sets and the two producer warpgroups, on halves or alternate chunks; the cluster's K-stage offset is checked
+    the merged sets and the two producer warpgroups; the cluster's K-stage offset is checked
     against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
     copies by rows or by columns)."""
     import inspect
@@ -115,23 +115,18 @@ def compile_sm90() -> int:
         merges = (False, True) if "MERGE" in names else (False,)
         duals = (False, True) if "DUAL" in names else (False,)
         col_copies = (False, True) if "COL_COPIES" in names else (False,)
-        alts = (False, True) if "ALT" in names else (False,)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, alt in itertools.product(
-                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies,
-                alts):
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies):
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
                 continue
             if dual and (bf16 or pipe or cluster):  # two producer warpgroups: fp8 pages, loads not ahead
                 continue
-            if alt and not dual:  # alternate chunks: a form of the two producer warpgroups
-                continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
-                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols),
-                                            ("ALT", alt))
+                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols))
                           if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default

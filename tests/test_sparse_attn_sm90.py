@@ -191,16 +191,13 @@ DUAL_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES + MERGE_CASES if c[3][
 @pytest.mark.parametrize("case", DUAL_CASES, ids=[c[0] for c in DUAL_CASES])
 def test_sm90_dual_producer_is_bit_identical(case):
     """Two producer warpgroups, each dequantising half of every chunk into the same stage, and
-    each consumer's half of O as two 64 x 128 accumulators (``sm90_dual_producer``), or each
-    filling every other chunk whole (``sm90_dual_alternate``): the same bf16 K tiles and the same
-    products per output element as the default kernel, with its plain and its loads-ahead
-    producer. So out and lse are bit-identical, and match the fp64 oracle."""
+    each consumer's half of O as two 64 x 128 accumulators (``sm90_dual_producer``): the same bf16
+    K tiles and the same products per output element as the default kernel, with its plain and
+    its loads-ahead producer. So out and lse are bit-identical, and match the fp64 oracle."""
     one = dict(sm90_dual_producer=False)
     _assert_variants_bit_identical(case, {"plain": dict(one, sm90_pipe_min_chunks=10**9),
                                           "ahead": dict(one, sm90_pipe_min_chunks=0),
-                                          "dual": dict(sm90_dual_producer=True),
-                                          "dual, alternate chunks": dict(sm90_dual_producer=True,
-                                                                         sm90_dual_alternate=True)})
+                                          "dual": dict(sm90_dual_producer=True)})
 
 
 # Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
@@ -555,16 +552,13 @@ def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, s
     assert [(kw["PIPE"], kw["MERGE"]) for kw in seen] == [(min_chunks == 0, merged)]
 
 
-@pytest.mark.parametrize("fp8, switch, cluster, alt, want", [
-    (True, True, False, False, (True, False, False)), (True, False, False, False, (False, True, False)),
-    (False, True, False, False, (False, False, False)), (True, True, True, False, (True, False, False)),
-    (True, True, False, True, (True, False, True)), (True, False, False, True, (False, True, False)),
-    (False, True, False, True, (False, False, False)),
+@pytest.mark.parametrize("fp8, switch, cluster, want", [
+    (True, True, False, (True, False)), (True, False, False, (False, True)), (False, True, False, (False, False)),
+    (True, True, True, (True, False)),
 ])
-def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, alt, want):
+def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, want):
     """Dispatch: two producer warpgroups (``DUAL``) on fp8 pages when the switch is on, never with
-    the loads carried ahead (``PIPE``), never on bf16 pages, and the two-CTA cluster gives way;
-    alternate chunks (``ALT``) only as a form of the two warpgroups."""
+    the loads carried ahead (``PIPE``), never on bf16 pages, and the two-CTA cluster gives way."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     seen = []
@@ -582,8 +576,8 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
     monkeypatch.setattr(sl, "_launch_cluster", lambda *a: pytest.fail("the cluster launch was chosen"))
     launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
            config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=0, sm90_dual_producer=switch,
-                               sm90_cluster=cluster and switch, sm90_dual_alternate=alt))
-    assert [(kw["DUAL"], kw["PIPE"], kw["ALT"]) for kw in seen] == [want]
+                               sm90_cluster=cluster and switch))
+    assert [(kw["DUAL"], kw["PIPE"]) for kw in seen] == [want]
 
 
 @pytest.mark.parametrize("fp8, ws, switch, want", [

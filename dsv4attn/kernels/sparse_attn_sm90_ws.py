@@ -33,12 +33,6 @@ With ``CLUSTER`` (65-128 heads, fp8 pages; ``KernelConfig.sm90_cluster``, off by
 token's two head tiles run as one cluster of two CTAs whose producers each dequantise half of
 every chunk into both CTAs' K stages (:func:`_produce_set_cluster`; inline PTX, see the comment
 above :data:`_CL_BASE`).
-
-With ``DUAL`` (fp8 pages; ``KernelConfig.sm90_dual_producer``, the default) two producer
-warpgroups of 80 registers share the gathers and the dequantisation, and each consumer's half of
-O is two 64 x 128 accumulators (16 warps): each warpgroup fills rows ``32 W ..`` of every chunk
-(:func:`_produce_set_rows`), or with ``ALT`` (``KernelConfig.sm90_dual_alternate``) every other
-chunk whole, in two halves.
 """
 
 from __future__ import annotations
@@ -241,81 +235,38 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
                       W: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
-                      DQ_BITS: gl.constexpr, ALT: gl.constexpr):
+                      DQ_BITS: gl.constexpr):
     """One of the two producer warpgroups of ``DUAL``: :func:`_produce_set` for rows ``32 W ..``
     of every chunk only (half-chunk ``2 i + W``). The other warpgroup fills the other half of the
     same stage; each arrives on the stage's full barrier (two arrivals). Per chunk its loads are
-    issued and the lines of its next half asked of L2 before it waits for the stage.
-
-    With ``ALT``: whole chunks, every other one (the chunks ``c`` with ``c % 2 == W``, counted
-    across both sets, so always K stage ``W``), each in two halves. Half 0's loads go out before
-    the wait for the stage and half 1's lines are asked of L2 at once; half 1 is loaded once half
-    0 is stored (both halves loaded before the wait spill at 80 registers). Each half arrives on
-    the stage's full barrier, so it still counts two arrivals. So one warpgroup's loads travel
-    while the other dequantises a whole chunk, and each has two chunks of the consumers' time
-    per chunk it fills, instead of both waiting on the same chunk's loads."""
+    issued and the lines of its next half asked of L2 before it waits for the stage, so each
+    warpgroup's loads travel while the other one dequantises."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
-    if ALT:
-        first = (it + W) % 2  # this set's first chunk of mine: (it + i) % 2 == W
-        x0 = _candidate_entry(t, _half_rows(2 * first, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        x1 = _candidate_entry(t, _half_rows(2 * first + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        for i in range(first, n_mine, 2):
-            h = 2 * i
-            raw, rope, sc, v = _load_half(cache_ptr, x0, _half_rows(h, split, num_splits), start, block_size,
-                                          capacity, stride_blk, IS_RANGE)
-            if PREFETCH:  # half 1, loaded once half 0 is stored
-                _prefetch_half(cache_ptr, x1, _half_rows(h + 1, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-            y0 = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                                  stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-            mbarrier.wait(empty.index(W), (((it + i) // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-            _store_half_arrive(raw, rope, sc, v, k_bufs.index(W), valid_bufs.index(W), full.index(W), 0, DQ_BITS)
-            raw, rope, sc, v = _load_half(cache_ptr, x1, _half_rows(h + 1, split, num_splits), start, block_size,
-                                          capacity, stride_blk, IS_RANGE)
-            if PREFETCH:  # this warpgroup's next chunk
-                _prefetch_half(cache_ptr, y0, _half_rows(h + 4, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-            y1 = _candidate_entry(t, _half_rows(h + 5, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                                  stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-            _store_half_arrive(raw, rope, sc, v, k_bufs.index(W), valid_bufs.index(W), full.index(W), 1, DQ_BITS)
-            x0 = y0
-            x1 = y1
-        it += n_mine
-    else:
-        x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                             max_blocks, start, req, block_size, IS_RANGE)
-        y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+    x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    for i in range(n_mine):
+        h = 2 * i + W
+        raw, rope, sc, v = _load_half(cache_ptr, x, _half_rows(h, split, num_splits), start, block_size, capacity,
+                                      stride_blk, IS_RANGE)
+        if PREFETCH:  # this warpgroup's half of the next chunk
+            _prefetch_half(cache_ptr, y, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
+                           stride_blk, IS_RANGE)
+        x = y
+        y = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        for i in range(n_mine):
-            h = 2 * i + W
-            raw, rope, sc, v = _load_half(cache_ptr, x, _half_rows(h, split, num_splits), start, block_size,
-                                          capacity, stride_blk, IS_RANGE)
-            if PREFETCH:  # this warpgroup's half of the next chunk
-                _prefetch_half(cache_ptr, y, _half_rows(h + 2, split, num_splits), start, block_size, capacity,
-                               stride_blk, IS_RANGE)
-            x = y
-            y = _candidate_entry(t, _half_rows(h + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                                 stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-            st = it % 2
-            mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-            _store_half_arrive(raw, rope, sc, v, k_bufs.index(st), valid_bufs.index(st), full.index(st), W, DQ_BITS)
-            it += 1
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _store_half(raw, rope, sc, v, k_bufs.index(st).slice(W * HALF, HALF, dim=0),
+                    valid_bufs.index(st).slice(W * HALF, HALF, dim=0), DQ_BITS)
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
     return it
-
-
-@gluon.jit
-def _store_half_arrive(raw, rope, sc, v, k_buf, valid_buf, bar, half: gl.constexpr, DQ_BITS: gl.constexpr):
-    """Dequantise a loaded half-chunk into rows ``32 half ..`` of a K stage, then arrive on the
-    stage's full barrier once the partition's stores are done and visible to wgmma."""
-    _store_half(raw, rope, sc, v, k_buf.slice(half * HALF, HALF, dim=0), valid_buf.slice(half * HALF, HALF, dim=0),
-                DQ_BITS)
-    fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-    _cta_barrier()  # the partition's stores are done before its arrive
-    mbarrier.arrive(bar)
 
 
 # The pipelined producer (``PIPE``) carries half a chunk's loads across the loop's back edge; as
@@ -782,17 +733,17 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
-              DUAL: gl.constexpr, W: gl.constexpr, ALT: gl.constexpr = False):
-    if DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk, or (ALT) every other chunk
+              DUAL: gl.constexpr, W: gl.constexpr):
+    if DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
         it = _produce_set_rows(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
                                a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                               W, A_RANGE, A_LEN, PREFETCH, DQ_BITS, ALT)
+                               W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
         if HAS_B:
             _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
                               b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                              W, B_RANGE, B_LEN, PREFETCH, DQ_BITS, ALT)
+                              W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
     elif CLUSTER:
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF)
@@ -1163,7 +1114,6 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
-    ALT: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1219,7 +1169,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 0, ALT)),
+                         MERGE, DUAL, 0)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1228,7 +1178,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 1, ALT)),
+                         MERGE, DUAL, 1)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [WG1_REGS, DUAL_PRODUCER_REGS, DUAL_PRODUCER_REGS])
     else:
         gl.warp_specialize([

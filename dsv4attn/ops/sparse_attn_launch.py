@@ -99,11 +99,6 @@ class KernelConfig:
     #: 3-5% faster on the decode rows on an H100 (docs/benchmarks.md, Tables 53-54), and the
     #: attention suites pass with it in every dispatch: the default.
     sm90_dual_producer: bool = True
-    #: With ``sm90_dual_producer``, each producer warpgroup fills whole chunks, every other one
-    #: (so always the same K stage), in two halves, instead of half the rows of every chunk:
-    #: one warpgroup's loads then travel while the other dequantises, and each has two chunks of
-    #: the consumers' time per chunk it fills. Bit-identical to it (same K tiles). Tuning switch.
-    sm90_dual_alternate: bool = False
     #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
     #: warpgroup 0 holds q in registers and computes the logits one chunk ahead of the softmax;
     #: two other warpgroups each multiply half of ``P V`` and copy half the rows into three K
@@ -407,8 +402,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
-                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         ALT=dual and cfg.sm90_dual_alternate)
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
