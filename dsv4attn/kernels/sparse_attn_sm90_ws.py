@@ -933,7 +933,8 @@ def _wg0_loop_dual(c0, n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, vali
                    p_free, qk_scale):
     """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``), over the
     partition's chunks ``c0 .. c0 + n``."""
-    for i in range(c0, c0 + n):
+    for j in range(n):  # (Triton 3.6 drops a runtime lower bound of range: kept at 0)
+        i = c0 + j
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         k_cur = k_bufs.index(st)
@@ -1069,7 +1070,8 @@ def _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
     o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
-    for i in range(c0, c0 + n):
+    for j in range(n):  # (Triton 3.6 drops a runtime lower bound of range: kept at 0)
+        i = c0 + j
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
