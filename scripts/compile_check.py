@@ -115,23 +115,18 @@ def compile_sm90() -> int:
         merges = (False, True) if "MERGE" in names else (False,)
         duals = (False, True) if "DUAL" in names else (False,)
         col_copies = (False, True) if "COL_COPIES" in names else (False,)
-        persists = (False, True) if "PERSIST" in names else (False,)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, persist in itertools.product(
-                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies,
-                persists):
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies):
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
                 continue
             if dual and (bf16 or pipe or cluster):  # two producer warpgroups: fp8 pages, loads not ahead
                 continue
-            if persist and not dual:  # CTAs walking several rows: the two-producer kernel only
-                continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
-                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols),
-                                            ("PERSIST", persist))
+                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols))
                           if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default

@@ -200,23 +200,6 @@ def test_sm90_dual_producer_is_bit_identical(case):
                                           "dual": dict(sm90_dual_producer=True)})
 
 
-@needs_hopper
-@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
-@pytest.mark.parametrize("case", DUAL_CASES, ids=[c[0] for c in DUAL_CASES])
-def test_sm90_persistent_is_bit_identical(case, max_logits):
-    """CTAs that walk several (token, head tile) rows with their K stages and barriers running on
-    (``sm90_persistent``): one CTA per split walking every row (each barrier through many
-    phases, rows of different chunk counts back to back), two, and one per SM (a CTA per row in
-    these small cases) compute each row as the one-row CTA does. So out, lse and max logits are
-    bit-identical to the default kernel's, and match the fp64 oracle."""
-    if max_logits and case[4] > 1:
-        pytest.skip("max logits are produced without split-KV only")
-    _assert_variants_bit_identical(case, {"one row per CTA": dict(sm90_dual_producer=True),
-                                          "1 CTA": dict(sm90_persistent=True, sm90_persistent_ctas=1),
-                                          "2 CTAs": dict(sm90_persistent=True, sm90_persistent_ctas=2),
-                                          "a CTA per SM": dict(sm90_persistent=True)}, max_logits)
-
-
 # Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
 # a set of holes only, fewer chunks than K stages, both set forms, odd chunk counts per split).
 QREG_CASES = [c for c in CASES if not c[3][0].fp8] + [

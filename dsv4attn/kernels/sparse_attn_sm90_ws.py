@@ -929,12 +929,10 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
 
 
 @gluon.jit
-def _wg0_loop_dual(c0, n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                   p_free, qk_scale):
-    """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``), over the
-    partition's chunks ``c0 .. c0 + n``."""
-    for j in range(n):  # (Triton 3.6 drops a runtime lower bound of range: kept at 0)
-        i = c0 + j
+def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
+                   qk_scale):
+    """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``)."""
+    for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         k_cur = k_bufs.index(st)
@@ -961,7 +959,7 @@ def _wg0_loop_dual(c0, n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, vali
 
 
 @gluon.jit
-def _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
+def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
          empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
          out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
          sink_ptr, split_base, total_splits,
@@ -969,14 +967,9 @@ def _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_buf
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr, c0, k, q_free, q_next, PERSIST: gl.constexpr):
-    """Warpgroup 0's work on one (token, head tile, split): q, S, softmax, the first half of O,
-    the row statistics and the epilogue's normalisation factors. ``c0``: chunks the partition
-    walked before (K stage and barrier phases continue from there); ``k``: work items before.
-    With ``PERSIST`` q's buffer, which both warpgroups' epilogues of the item before used, is
-    refilled once warpgroup 1 released it (``q_free``), and the next item's q rows (``q_next``,
-    a [64, 8] grid of 128-byte line addresses) are asked of L2. Returns the item's chunk count
-    and the row maxima."""
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
+    """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
+    normalisation factors."""
     q_smem = q_all.index(0)
     if CLUSTER:  # first: the peer's producer waits for it before its first remote store
         _cl_op(_CL_SYNC, pid_h, pid_h)
@@ -988,22 +981,16 @@ def _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_buf
     hq_ok = hq < num_heads
     q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                 + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
-    if PERSIST:  # both epilogues of the item before are done with q's buffer
-        _cta_barrier()
-        mbarrier.wait(q_free.index(0), (k & 1) ^ 1)  # a fresh barrier passes parity 1
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
-    if PERSIST:  # the next item's q, into L2 while this one runs
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [q_next], dtype=gl.int32,
-                                  is_pure=False, pack=1)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
     if DUAL:
         o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
         o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
-        o0, o1, m_i, l_i = _wg0_loop_dual(c0, n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs,
-                                          empty, full, p_ready, p_free, qk_scale)
+        o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
+                                          full, p_ready, p_free, qk_scale)
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
         o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
@@ -1029,49 +1016,23 @@ def _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_buf
                       stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     if CLUSTER:  # neither CTA exits while the other may still reach into it
         _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
-    return n, m_i
-
-
-@gluon.jit
-def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
-         empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
-         out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
-         sink_ptr, split_base, total_splits,
-         a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-         b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-         A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
-    """Warpgroup 0 (the default partition) of a CTA with one work item: :func:`_wg0_item`."""
-    _n, m_i = _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                        valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
-                        out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
-                        part_lse_ptr, sink_ptr, split_base, total_splits,
-                        a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                        b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                        A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER,
-                        DUAL, 0, 0, fin, 0, False)
     return (m_i,)
 
 
 @gluon.jit
-def _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split,
+def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split,
               num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
               a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
               b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, c0, k, q_free,
-              PERSIST: gl.constexpr):
-    """:func:`_wg1` of ``DUAL`` on one work item: its half of O (columns 256-511) as two [64, 128]
-    accumulators, over the partition's chunks ``c0 ..`` (``k`` items before). With ``PERSIST``
-    it then releases q's buffer (``q_free``) for warpgroup 0's next q. Returns the chunk count."""
+              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+    """:func:`_wg1` of ``DUAL``: its half of O (columns 256-511) as two [64, 128] accumulators."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
     o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
-    for j in range(n):  # (Triton 3.6 drops a runtime lower bound of range: kept at 0)
-        i = c0 + j
+    for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
@@ -1085,7 +1046,7 @@ def _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready,
         _cta_barrier()
         mbarrier.arrive(p_free.index(st))
         mbarrier.arrive(empty.index(st))
-    mbarrier.wait(fin.index(0), k & 1)
+    mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O2)
     _store_half_o(o0, f, q_smem.slice(HALF_V, QV, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L,
@@ -1093,25 +1054,6 @@ def _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready,
     _store_half_o(o1, f, q_smem.slice(HALF_V + QV, QV, dim=1), t64, pid_h, split, num_heads, HALF_V + QV, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L,
                   OST2_L)
-    if PERSIST:  # its epilogue's reads of q's buffer are done
-        _cta_barrier()
-        mbarrier.arrive(q_free.index(0))
-    return n
-
-
-@gluon.jit
-def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split,
-              num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
-              a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-              b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-              A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
-    """Warpgroup 1 of ``DUAL`` in a CTA with one work item: :func:`_wg1_dual_item`."""
-    _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split,
-                   num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
-                   a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                   b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                   A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, 0, 0, fin, False)
 
 
 @gluon.jit
@@ -1154,106 +1096,6 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
 
 
-# ``PERSIST`` (``KernelConfig.sm90_persistent``, ``DUAL`` only): a grid of at most one CTA per SM
-# per split, each walking the work rows (token x head tile) ``pid, pid + G, ...`` (G CTAs along
-# the grid's first axis). The K stages and their barriers run on across rows, so the producers
-# fill the next row's first chunks while the consumers finish this row, and a row's fixed costs
-# (its first gathers, the launch of a CTA) stop adding up; warpgroup 0 refills q's buffer once
-# warpgroup 1's epilogue released it (``q_free``), from L2 (asked for one row ahead).
-QL_L = gl.constexpr(gl.BlockedLayout([2, 2], [8, 4], [4, 1], [1, 0]))
-
-
-@gluon.jit
-def _q_lines(q_ptr, stride_q_t, stride_q_h, num_heads, row, tiles, num_rows):
-    """[64, 8] addresses of work row ``row``'s q lines (each head's 1 KiB as 128-byte lines);
-    masked heads and a row past the last ask for q's first line (never outside q)."""
-    h = (row % tiles) * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL_L))
-    ok = gl.expand_dims((h < num_heads) & (row < num_rows), 1)
-    line = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, QL_L)), 0) * 64
-    off = (row // tiles).to(gl.int64) * stride_q_t + gl.expand_dims(h.to(gl.int64) * stride_q_h, 1) + line
-    return q_ptr + gl.where(ok, off, 0)
-
-
-@gluon.jit
-def _wg0_persist(q_ptr, stride_q_t, stride_q_h, num_heads, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
-                 empty, full, p_ready, p_free, fin, q_free, tiles, num_rows, split, num_splits, qk_scale,
-                 out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
-                 part_lse_ptr, sink_ptr, split_base, total_splits,
-                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                 A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-                 B_LEN: gl.constexpr, HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr,
-                 WRITE_MAX: gl.constexpr):
-    """Warpgroup 0 of ``PERSIST``: :func:`_wg0_item` on each of the CTA's work rows."""
-    step = gl.num_programs(0)
-    c = step * 0
-    k = step * 0
-    for row in range(gl.program_id(0), num_rows, step):
-        tt = row // tiles
-        q_next = _q_lines(q_ptr, stride_q_t, stride_q_h, num_heads, row + step, tiles, num_rows)
-        n, _m = _wg0_item(q_ptr, stride_q_t, stride_q_h, num_heads, tt.to(gl.int64), row % tiles, q_all, k_bufs,
-                          p_bufs, a_bufs, f_smem, valid_bufs, empty, full, p_ready, p_free, fin, tt, split,
-                          num_splits, qk_scale, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr,
-                          stride_max_t, part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
-                          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, False,
-                          True, c, k, q_free, q_next, True)
-        c += n
-        k += 1
-    return (c,)
-
-
-@gluon.jit
-def _wg1_persist(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, q_free, tiles, num_rows,
-                 split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
-                 a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                 b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                 A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-                 B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
-    """Warpgroup 1 of ``PERSIST``: :func:`_wg1_dual_item` on each of the CTA's work rows."""
-    step = gl.num_programs(0)
-    c = step * 0
-    k = step * 0
-    for row in range(gl.program_id(0), num_rows, step):
-        tt = row // tiles
-        n = _wg1_dual_item(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, tt.to(gl.int64),
-                           row % tiles, tt, split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                           split_base, total_splits,
-                           a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                           b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                           A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, c, k, q_free, True)
-        c += n
-        k += 1
-
-
-@gluon.jit
-def _producer_persist(k_bufs, valid_bufs, empty, full, tiles, num_rows, split, num_splits,
-                      a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
-                      a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                      a_req_ptr, a_start_ptr,
-                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity,
-                      b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                      b_req_ptr, b_start_ptr,
-                      A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-                      B_LEN: gl.constexpr, PREFETCH: gl.constexpr, DQ_BITS: gl.constexpr, W: gl.constexpr):
-    """Producer warpgroup ``W`` of ``PERSIST``: :func:`_produce_set_rows` on each of the CTA's
-    work rows, the chunk count running on (the next row's chunks follow this row's last)."""
-    step = gl.num_programs(0)
-    it = step * 0
-    for row in range(gl.program_id(0), num_rows, step):
-        tt = row // tiles
-        it = _produce_set_rows(it, k_bufs, valid_bufs, empty, full, tt, split, num_splits,
-                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
-                               a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                               W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
-        if HAS_B:
-            it = _produce_set_rows(it, k_bufs, valid_bufs, empty, full, tt, split, num_splits,
-                                   b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                                   b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
-                                   b_start_ptr, W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
-
-
 @gluon.jit
 def _sparse_mla_attn_sm90_ws_kernel(
     q_ptr, stride_q_t, stride_q_h,
@@ -1272,14 +1114,11 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
-    PERSIST: gl.constexpr = False, num_rows=0,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
     in both sets; launched with ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top.
-    ``PREFETCH``: the producer's L2 prefetch (a tuning switch, on in production). With
-    ``PERSIST`` (``DUAL`` only) the grid is ``(G, num_splits)`` and each CTA walks the
-    ``num_rows`` = tokens x head tiles rows ``pid, pid + G, ...``."""
+    ``PREFETCH``: the producer's L2 prefetch (a tuning switch, on in production)."""
     tiles = gl.cdiv(num_heads, BLOCK_H)
     t = gl.program_id(0) // tiles
     pid_h = gl.program_id(0) % tiles
@@ -1304,44 +1143,11 @@ def _sparse_mla_attn_sm90_ws_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
     mbarrier.init(fin.index(0), count=1)
-    if PERSIST:
-        q_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_free.index(0), count=1)
-    else:
-        q_free = fin
     if CLUSTER:
         _cl_one(_CL_INIT, t, t)
     fence_async_shared()
 
-    if DUAL and PERSIST:  # the CTA walks work rows; K stages and barriers run on across them
-        gl.warp_specialize([
-            (_wg0_persist, (q_ptr, stride_q_t, stride_q_h, num_heads, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                            valid_bufs, empty, full, p_ready, p_free, fin, q_free, tiles, num_rows, split, num_splits,
-                            qk_scale, out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t,
-                            part_o_ptr, part_lse_ptr, sink_ptr, split_base, total_splits,
-                            a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                            b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                            A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX)),
-            (_wg1_persist, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, q_free, tiles,
-                            num_rows, split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                            split_base, total_splits,
-                            a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                            b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                            A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
-            (_producer_persist, (k_bufs, valid_bufs, empty, full, tiles, num_rows, split, num_splits,
-                                 a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                 a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
-                                 a_start_ptr, b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr,
-                                 b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                                 b_req_ptr, b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, DQ_BITS, 0)),
-            (_producer_persist, (k_bufs, valid_bufs, empty, full, tiles, num_rows, split, num_splits,
-                                 a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                 a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
-                                 a_start_ptr, b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr,
-                                 b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                                 b_req_ptr, b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, DQ_BITS, 1)),
-        ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [WG1_REGS, DUAL_PRODUCER_REGS, DUAL_PRODUCER_REGS])
-    elif DUAL:  # two producer warpgroups, each filling half of every stage; the consumers' halves of O in quarters
+    if DUAL:  # two producer warpgroups, each filling half of every stage; the consumers' halves of O in quarters
         gl.warp_specialize([
             (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
                     valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,

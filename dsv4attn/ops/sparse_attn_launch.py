@@ -99,14 +99,6 @@ class KernelConfig:
     #: 3-5% faster on the decode rows on an H100 (docs/benchmarks.md, Tables 53-54), and the
     #: attention suites pass with it in every dispatch: the default.
     sm90_dual_producer: bool = True
-    #: With ``sm90_dual_producer``, launch at most one CTA per SM per split and have each walk
-    #: several (token, head tile) rows in turn, its K stages running on across them: the next
-    #: row's first chunks are gathered while this row finishes, instead of every CTA paying its
-    #: own pipeline fill and launch. Bit-identical (the same products per row). Tuning switch.
-    sm90_persistent: bool = False
-    #: With ``sm90_persistent``, CTAs per split (0: the SMs divided by the splits); tests set a
-    #: few so that each CTA walks many rows.
-    sm90_persistent_ctas: int = 0
     #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
     #: warpgroup 0 holds q in registers and computes the logits one chunk ahead of the softmax;
     #: two other warpgroups each multiply half of ``P V`` and copy half the rows into three K
@@ -403,7 +395,6 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
         qreg = ws and not a.is_fp8 and cfg.sm90_bf16_qreg
         kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
-        sm90_grid = grid  # the portable kernel below keeps one CTA per row
         extra: dict[str, bool | int]  # each kernel's own constexprs
         if qreg:  # bf16 pages only: no page-kind or producer constexprs
             extra = dict(COL_COPIES=cfg.sm90_qreg_col_copies)
@@ -412,10 +403,6 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
-            if dual and cfg.sm90_persistent:
-                ctas = cfg.sm90_persistent_ctas or max(1, sm_count(q.device) // cfg.num_splits)
-                extra.update(PERSIST=True, num_rows=grid[0])
-                sm90_grid = (min(grid[0], ctas), cfg.num_splits)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
@@ -427,7 +414,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
                                                                   consts)):
                 return
-            launch_cache.launch(kernel, sm90_grid, args, dict(consts, num_warps=warps, num_stages=1))
+            launch_cache.launch(kernel, grid, args, dict(consts, num_warps=warps, num_stages=1))
             return
         except Exception as e:  # noqa: BLE001 - only compile / launch failures fall back
             if not _is_build_failure(e):
