@@ -231,6 +231,16 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 
 
 @gluon.jit
+def _first_entries(t, j, idx_ptr, stride_idx, width, length):
+    """An indices-form set's first slot reads (:func:`_candidate_entry`) issued together with the
+    length read instead of after it: entries ``j < width`` (inside the index row) are read, and
+    those at or past ``length`` become -1 (invalid) once it arrives. A CTA's first gathers then
+    wait for two dependent reads (index, page) instead of three."""
+    x = gl.load(idx_ptr + t.to(gl.int64) * stride_idx + gl.where(j < width, j, 0), mask=j < width, other=-1)
+    return gl.where(j < length, x, -1)
+
+
+@gluon.jit
 def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
@@ -244,10 +254,14 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
-    x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                         max_blocks, start, req, block_size, IS_RANGE)
-    y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                         max_blocks, start, req, block_size, IS_RANGE)
+    if IS_RANGE:
+        x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                             max_blocks, start, req, block_size, IS_RANGE)
+        y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                             stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    else:  # the first two index reads bounded by the row's width, not waiting for the length read
+        x = _first_entries(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, width, length)
+        y = _first_entries(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, width, length)
     for i in range(n_mine):
         h = 2 * i + W
         raw, rope, sc, v = _load_half(cache_ptr, x, _half_rows(h, split, num_splits), start, block_size, capacity,
