@@ -241,27 +241,36 @@ def _first_entries(t, j, idx_ptr, stride_idx, width, length):
 
 
 @gluon.jit
-def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                      cache_ptr, stride_blk, block_size, capacity,
-                      idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
-                      W: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, PREFETCH: gl.constexpr,
-                      DQ_BITS: gl.constexpr):
-    """One of the two producer warpgroups of ``DUAL``: :func:`_produce_set` for rows ``32 W ..``
-    of every chunk only (half-chunk ``2 i + W``). The other warpgroup fills the other half of the
-    same stage; each arrives on the stage's full barrier (two arrivals). Per chunk its loads are
-    issued and the lines of its next half asked of L2 before it waits for the stage, so each
-    warpgroup's loads travel while the other one dequantises."""
+def _rows_start(t, split, num_splits, block_size, idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks,
+                num_reqs, req_ptr, start_ptr, W: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Producer warpgroup ``W``'s start on one candidate set (``DUAL``): the set's extent for token
+    ``t`` and the slot lookups of its half of the split's first two chunks. An indices-form set's
+    index reads go out with the length read instead of after it (:func:`_first_entries`)."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
-    n_mine = _n_mine(length, split, num_splits)
     if IS_RANGE:
         x = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                              max_blocks, start, req, block_size, IS_RANGE)
         y = _candidate_entry(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-    else:  # the first two index reads bounded by the row's width, not waiting for the length read
+    else:
         x = _first_entries(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, width, length)
         y = _first_entries(t, _half_rows(2 + W, split, num_splits), idx_ptr, stride_idx, width, length)
+    return start, length, req, x, y
+
+
+@gluon.jit
+def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                      cache_ptr, stride_blk, block_size, capacity,
+                      idx_ptr, stride_idx, bt_ptr, stride_bt, max_blocks, start, length, req, x, y,
+                      W: gl.constexpr, IS_RANGE: gl.constexpr, PREFETCH: gl.constexpr, DQ_BITS: gl.constexpr):
+    """One of the two producer warpgroups of ``DUAL``: :func:`_produce_set` for rows ``32 W ..``
+    of every chunk only (half-chunk ``2 i + W``), from :func:`_rows_start`'s extent and first
+    lookups. The other warpgroup fills the other half of the same stage; each arrives on the
+    stage's full barrier (two arrivals). Per chunk its loads are issued and the lines of its
+    next half asked of L2 before it waits for the stage, so each warpgroup's loads travel while
+    the other one dequantises."""
+    n_mine = _n_mine(length, split, num_splits)
     for i in range(n_mine):
         h = 2 * i + W
         raw, rope, sc, v = _load_half(cache_ptr, x, _half_rows(h, split, num_splits), start, block_size, capacity,
@@ -749,15 +758,23 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
               DUAL: gl.constexpr, W: gl.constexpr):
     if DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
+        a_start, a_length, a_req, ax, ay = _rows_start(t, split, num_splits, a_block_size, a_idx_ptr, a_stride_idx,
+                                                       a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks,
+                                                       a_num_reqs, a_req_ptr, a_start_ptr, W, A_RANGE, A_LEN)
+        if HAS_B:  # set B's extent and first lookups too: ready when set A's last chunk is stored
+            b_start, b_length, b_req, bx, by = _rows_start(t, split, num_splits, b_block_size, b_idx_ptr,
+                                                           b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt,
+                                                           b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, W,
+                                                           B_RANGE, B_LEN)
         it = _produce_set_rows(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
-                               a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                               W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
+                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+                               a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_length, a_req, ax, ay,
+                               W, A_RANGE, PREFETCH, DQ_BITS)
         if HAS_B:
             _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                              b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx, b_width,
-                              b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                              W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
+                              b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                              b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_length, b_req, bx, by,
+                              W, B_RANGE, PREFETCH, DQ_BITS)
     elif CLUSTER:
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF)
