@@ -23,6 +23,7 @@ alike. The table gives the lowest and highest per-round ratio too. Agreement: bf
 
     python -m benchmarks.bench_vs_flashmla --flashmla-path /tmp/flashmla_build
     python -m benchmarks.bench_vs_flashmla --smoke      # CPU: tiny sizes, dsv4attn only
+    python -m benchmarks.bench_vs_flashmla --flashmla-path ... --graphs --decode-sweep   # fixed / per chunk
 
 Without ``flash_mla`` importable it prints dsv4attn's times and says FlashMLA was not found.
 """
@@ -250,6 +251,41 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
     return [res, fp8]
 
 
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def decode_sweep(fm, ceil: Ceilings, device, rounds: int, gen, smoke: bool) -> list[dict]:
+    """Decode at a full GPU (B=1024) with k compressed + 64 SWA candidates per token, k = 64 ..
+    1984 (2 .. 32 chunks of 64), both libraries timed as in the side by side; each library's time
+    fitted as ``fixed + chunks x per chunk`` (whole-batch us), so the two can be compared part by
+    part without assuming how either schedules its CTAs (FlashMLA's decode is persistent)."""
+    b, swa, ks, heads = (4, 16, (64, 128), (2,)) if smoke else (1024, 64, (64, 192, 448, 960, 1984), (64, 128))
+    out = []
+    for h in heads:
+        pts: dict[str, list[tuple[int, float]]] = {"dsv4attn": [], "FlashMLA": []}
+        for k in ks:
+            res = decode_case(fm, b, h, k, swa, ceil, device, rounds, gen)[0]
+            chunks = -(-k // 64) + -(-swa // 64)
+            pts["dsv4attn"].append((chunks, res.dsv4attn_graph_us or res.dsv4attn_us))
+            if res.flashmla_us is not None:
+                pts["FlashMLA"].append((chunks, res.flashmla_graph_us or res.flashmla_us))
+            ours, theirs = pts["dsv4attn"][-1][1], (pts["FlashMLA"][-1][1] if pts["FlashMLA"] else None)
+            print(f"decode sweep h{h} B{b} chunks {chunks:2d}: dsv4attn {ours:9.1f} us"
+                  + ("" if theirs is None else f"  FlashMLA {theirs:9.1f} us  ratio {ours / theirs:.2f}x"), flush=True)
+        for lib, xy in pts.items():
+            if len(xy) >= 2:
+                fixed, per_chunk = line_fit([float(c) for c, _ in xy], [t for _, t in xy])
+                print(f"fit h{h} B{b} {lib}: fixed {fixed:.1f} us + {per_chunk:.2f} us per chunk (whole batch)",
+                      flush=True)
+                out.append(dict(heads=h, batch=b, library=lib, points=xy, fixed_us=fixed, per_chunk_us=per_chunk))
+    return out
+
+
 def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n## dsv4attn vs FlashMLA [{gpu}; copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, "
@@ -306,6 +342,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved graph timing (odd)")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--decode-sweep", action="store_true",
+                   help="decode at B=1024 over 2-32 chunks per token, each library fitted as fixed + per chunk")
     p.add_argument("--kernel-config", default="", help='KernelConfig fields "field=value,..." changed in every '
                    "config dispatch picks (a candidate default, timed before it becomes one)")
     args = p.parse_args()
@@ -322,6 +360,12 @@ def main() -> None:
     only = [s for s in args.only.split(",") if s]
     want = lambda name: not only or any(s in name for s in only)  # noqa: E731
     results: list[Result] = []
+    if args.decode_sweep:
+        fits = decode_sweep(fm, ceil, device, rounds, gen, args.smoke)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(fits, fh, indent=1)
+        return
     if args.smoke:
         dec, pre = [(4, 2)], [(4, 16, 8, 128)]
         topk, swa = 64, 16

@@ -58,3 +58,25 @@ def test_host_overhead_plans_calls_on_cpu_stand_ins():
 def test_shell_script_parses(name):
     res = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_vs_flashmla_decode_sweep_fits_each_library(tmp_path):
+    """``bench_vs_flashmla --decode-sweep`` fits each library's decode time as fixed + chunks x
+    per chunk: on CPU (dsv4attn only, two chunk counts) the fit passes through both points, and
+    its least-squares fit recovers a line exactly from three points on it."""
+    from benchmarks.bench_vs_flashmla import line_fit
+
+    assert line_fit([2.0, 5.0, 9.0], [7.0, 13.0, 21.0]) == pytest.approx((3.0, 2.0))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "sweep.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.bench_vs_flashmla", "--smoke", "--decode-sweep", "--json",
+                          str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    import json
+
+    fits = json.loads(out.read_text())
+    assert [f["library"] for f in fits] == ["dsv4attn"], fits
+    pts = fits[0]["points"]
+    assert [c for c, _ in pts] == [2, 3]
+    for c, t in pts:
+        assert fits[0]["fixed_us"] + c * fits[0]["per_chunk_us"] == pytest.approx(t, rel=1e-9)
