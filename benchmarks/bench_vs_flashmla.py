@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dsv4attn
-from benchmarks.common import Ceilings, back_to_back_us, interleaved_graph_us, median_us
+from benchmarks.common import Ceilings, back_to_back_us, interleaved_graph_us, line_fit, median_us
 from dsv4attn.kv_cache.layout import PRODUCTION_LAYOUT as LAYOUT
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
@@ -160,9 +160,9 @@ def decode_inputs(b: int, h: int, topk: int, swa: int, device, gen) -> DecodeInp
 
 
 def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, rounds: int,
-                gen, b2b: bool = False) -> list[Result]:
-    """One decode row and its deterministic-mode row; ``rounds``: of graph timing (0: none);
-    ``b2b``: back-to-back times too."""
+                gen, b2b: bool = False, det_row: bool = True) -> list[Result]:
+    """One decode row and (``det_row``) its deterministic-mode row; ``rounds``: of graph timing
+    (0: none); ``b2b``: back-to-back times too."""
     name = f"decode h{h} B{b}"
     x = decode_inputs(b, h, topk, swa, device, gen)
     main, extra, idx, eidx, q, sink, sets = x.main, x.extra, x.idx, x.eidx, x.q, x.sink, x.sets
@@ -185,8 +185,8 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     def ours_det():
         return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
 
-    det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
-    fns = dict(ours=ours, det=ours_det)
+    det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det) if det_row else 0.0, floor)
+    fns = dict(ours=ours, det=ours_det) if det_row else dict(ours=ours)
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
         f8 = torch.float8_e4m3fn
@@ -197,14 +197,15 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
 
         o_fm, l_fm = theirs()
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
-        compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
+        if det_row:
+            compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
         res.flashmla_us = det.flashmla_us = median_us(theirs)
         fns["theirs"] = theirs
     if b2b:
         back_to_back(res, ours, fns.get("theirs"))
     if rounds:
-        graph_times(fns, dict(ours=res, det=det), rounds)
-    return [res, det]
+        graph_times(fns, dict(ours=res, det=det) if det_row else dict(ours=res), rounds)
+    return [res, det] if det_row else [res]
 
 
 def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, rounds: int,
@@ -251,25 +252,18 @@ def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, dev
     return [res, fp8]
 
 
-def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x``: (a, b)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
 def decode_sweep(fm, ceil: Ceilings, device, rounds: int, gen, smoke: bool) -> list[dict]:
-    """Decode at a full GPU (B=1024) with k compressed + 64 SWA candidates per token, k = 64 ..
-    1984 (2 .. 32 chunks of 64), both libraries timed as in the side by side; each library's time
-    fitted as ``fixed + chunks x per chunk`` (whole-batch us), so the two can be compared part by
-    part without assuming how either schedules its CTAs (FlashMLA's decode is persistent)."""
-    b, swa, ks, heads = (4, 16, (64, 128), (2,)) if smoke else (1024, 64, (64, 192, 448, 960, 1984), (64, 128))
+    """Decode at a full GPU (B=1024) with k compressed + 128 SWA candidates per token, k = 128 ..
+    1920 (4 .. 32 chunks of 64; multiples of 128, as the side by side's 512 + 128), both libraries
+    timed as in the side by side (no deterministic row); each library's time fitted as ``fixed +
+    chunks x per chunk`` (whole-batch us), so the two can be compared part by part without
+    assuming how either schedules its CTAs (FlashMLA's decode is persistent)."""
+    b, swa, ks, heads = (4, 16, (64, 128), (2,)) if smoke else (1024, 128, (128, 384, 896, 1920), (64, 128))
     out = []
     for h in heads:
         pts: dict[str, list[tuple[int, float]]] = {"dsv4attn": [], "FlashMLA": []}
         for k in ks:
-            res = decode_case(fm, b, h, k, swa, ceil, device, rounds, gen)[0]
+            res = decode_case(fm, b, h, k, swa, ceil, device, rounds, gen, det_row=False)[0]
             chunks = -(-k // 64) + -(-swa // 64)
             pts["dsv4attn"].append((chunks, res.dsv4attn_graph_us or res.dsv4attn_us))
             if res.flashmla_us is not None:
@@ -343,7 +337,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved graph timing (odd)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--decode-sweep", action="store_true",
-                   help="decode at B=1024 over 2-32 chunks per token, each library fitted as fixed + per chunk")
+                   help="decode at B=1024 over 4-32 chunks per token, each library fitted as fixed + per chunk")
     p.add_argument("--kernel-config", default="", help='KernelConfig fields "field=value,..." changed in every '
                    "config dispatch picks (a candidate default, timed before it becomes one)")
     args = p.parse_args()

@@ -64,6 +64,15 @@ def back_to_back_us(fn, calls: int = 100, repeats: int = 5, warmup: int = 10,
     return statistics.median(per), min(per)
 
 
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``: (a, b). The sweeps split a time into a fixed part and a
+    part per chunk with it."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
 def graph_us(fn, calls: int = 1, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     """Median device time of one ``fn()`` call, from ``calls`` calls captured in one CUDA graph and
     replayed (eager calls of small cases are bound by the host's launch cost). ``fn`` is run

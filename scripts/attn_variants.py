@@ -21,7 +21,7 @@ import torch
 
 import dsv4attn
 from benchmarks.bench_vs_flashmla import BLOCK, D, SCALE, disjoint_slots, fp8_cache
-from benchmarks.common import graph_us, interleaved_graph_us
+from benchmarks.common import graph_us, interleaved_graph_us, line_fit
 from dsv4attn.kv_cache.layout import quantize_fp8_ds_mla
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
@@ -176,10 +176,7 @@ def decode_sweep() -> None:
                 print(f"decode sweep h{h} B{b} chunks {chunks:2d} {lab:24s}: {us:8.1f} us", flush=True)
         waves = b * (h // 64) / sms
         for lab, pts in res.items():
-            x = torch.tensor([c for c, _ in pts], dtype=torch.float64)
-            y = torch.tensor([u for _, u in pts], dtype=torch.float64) / waves
-            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
-            icpt = y.mean() - slope * x.mean()
+            icpt, slope = line_fit([float(c) for c, _ in pts], [u / waves for _, u in pts])
             print(f"fit h{h} {lab}: fixed {icpt:.2f} us / CTA, {slope:.3f} us / chunk ({waves:.2f} waves)", flush=True)
 
 

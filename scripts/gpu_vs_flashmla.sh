@@ -13,7 +13,7 @@
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill, PREFILL_ARGS=--bf16: bf16 pages only) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table; VS_ARGS: more options, e.g. --back-to-back) |
-#   vs2 (it again with KCFG) | vssweep (both libraries' decode over 2-32 chunks, fitted as fixed + per
+#   vs2 (it again with KCFG) | vssweep (both libraries' decode over 4-32 chunks, fitted as fixed + per
 #   chunk) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -70,7 +70,7 @@ for step in "$@"; do
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           ${VS_ONLY:+--only "$VS_ONLY"} --kernel-config "$KCFG" --json "$OUT/vs2.json" 2>&1 | tee "$OUT/vs2.txt" \
           | grep -v "^  " | tail -n 24 ;;
-    vssweep) # both libraries' decode at B=1024 over 2-32 chunks, each fitted as fixed + per chunk
+    vssweep) # both libraries' decode at B=1024 over 4-32 chunks, each fitted as fixed + per chunk
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           --decode-sweep --json "$OUT/vssweep.json" 2>&1 | tee "$OUT/vssweep.txt" | grep "^fit\|^decode sweep" ;;
     *) echo "unknown step $step" ;;

@@ -19,16 +19,9 @@ import torch
 
 import dsv4attn
 from benchmarks.bench_vs_flashmla import D, SCALE, load_flashmla
-from benchmarks.common import graph_us
+from benchmarks.common import graph_us, line_fit
 
 TOPKS = (128, 256, 512, 1024, 2048)  # FlashMLA takes multiples of 128
-
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
 
 
 def main() -> None:
@@ -81,7 +74,7 @@ def main() -> None:
             pts = [(t / 64, u) for t, u in zip(TOPKS, us) if u == u]
             if len(pts) < 2:
                 continue
-            a, b = fit([p[0] for p in pts], [p[1] / waves for p in pts])
+            a, b = line_fit([p[0] for p in pts], [p[1] / waves for p in pts])
             print(f"h{h} {name}: per CTA fixed {a:.2f} us, per 64-row chunk {b:.3f} us over {waves} waves",
                   flush=True)
 

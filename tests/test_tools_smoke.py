@@ -64,7 +64,7 @@ def test_vs_flashmla_decode_sweep_fits_each_library(tmp_path):
     """``bench_vs_flashmla --decode-sweep`` fits each library's decode time as fixed + chunks x
     per chunk: on CPU (dsv4attn only, two chunk counts) the fit passes through both points, and
     its least-squares fit recovers a line exactly from three points on it."""
-    from benchmarks.bench_vs_flashmla import line_fit
+    from benchmarks.common import line_fit
 
     assert line_fit([2.0, 5.0, 9.0], [7.0, 13.0, 21.0]) == pytest.approx((3.0, 2.0))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
