@@ -35,7 +35,6 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
-    ("ws, dual pipe", dict(sm90_dual_pipe=True)),
     ("ws, one producer", dict(sm90_dual_producer=False)),
     ("ws, one producer, merged", dict(sm90_dual_producer=False, sm90_merge_sets=True)),
     ("ws, one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
@@ -154,8 +153,7 @@ def decode_sweep() -> None:
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {}), ("dual pipe", dict(sm90_dual_pipe=True)),
-                  ("one producer", dict(sm90_dual_producer=False))]
+        labels = [("default", {}), ("one producer", dict(sm90_dual_producer=False))]
         if not h128_only:
             labels += [("one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
                        ("one producer, ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=0))]

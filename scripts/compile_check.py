@@ -121,7 +121,7 @@ def compile_sm90() -> int:
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
                 continue
-            if dual and (bf16 or cluster):  # two producer warpgroups: fp8 pages (with PIPE: loads a quarter ahead)
+            if dual and (bf16 or pipe or cluster):  # two producer warpgroups: fp8 pages, loads not ahead
                 continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)

@@ -197,8 +197,7 @@ def test_sm90_dual_producer_is_bit_identical(case):
     one = dict(sm90_dual_producer=False)
     _assert_variants_bit_identical(case, {"plain": dict(one, sm90_pipe_min_chunks=10**9),
                                           "ahead": dict(one, sm90_pipe_min_chunks=0),
-                                          "dual": dict(sm90_dual_producer=True),
-                                          "dual pipe": dict(sm90_dual_producer=True, sm90_dual_pipe=True)})
+                                          "dual": dict(sm90_dual_producer=True)})
 
 
 # Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
@@ -553,15 +552,13 @@ def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, s
     assert [(kw["PIPE"], kw["MERGE"]) for kw in seen] == [(min_chunks == 0, merged)]
 
 
-@pytest.mark.parametrize("fp8, switch, cluster, dual_pipe, want", [
-    (True, True, False, False, (True, False)), (True, False, False, False, (False, True)),
-    (False, True, False, False, (False, False)), (True, True, True, False, (True, False)),
-    (True, True, False, True, (True, True)), (False, True, False, True, (False, False)),
+@pytest.mark.parametrize("fp8, switch, cluster, want", [
+    (True, True, False, (True, False)), (True, False, False, (False, True)), (False, True, False, (False, False)),
+    (True, True, True, (True, False)),
 ])
-def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, dual_pipe, want):
-    """Dispatch: two producer warpgroups (``DUAL``) on fp8 pages when the switch is on, never on
-    bf16 pages, and the two-CTA cluster gives way. With them, ``PIPE`` (each load a quarter of
-    the work ahead) follows ``sm90_dual_pipe`` alone, not the one producer's chunk threshold."""
+def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, want):
+    """Dispatch: two producer warpgroups (``DUAL``) on fp8 pages when the switch is on, never with
+    the loads carried ahead (``PIPE``), never on bf16 pages, and the two-CTA cluster gives way."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     seen = []
@@ -579,7 +576,7 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
     monkeypatch.setattr(sl, "_launch_cluster", lambda *a: pytest.fail("the cluster launch was chosen"))
     launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
            config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=0, sm90_dual_producer=switch,
-                               sm90_cluster=cluster and switch, sm90_dual_pipe=dual_pipe))
+                               sm90_cluster=cluster and switch))
     assert [(kw["DUAL"], kw["PIPE"]) for kw in seen] == [want]
 
 
@@ -619,10 +616,9 @@ def test_sm90_qreg_dispatch(monkeypatch, device, fp8, ws, switch, want):
 
 @needs_hopper
 @pytest.mark.parametrize("dq_bits", [True, False], ids=["bit-moves", "fp32-chain"])
-@pytest.mark.parametrize("min_chunks, dual, dual_pipe", [(10**9, False, False), (0, False, False),
-                                                         (10**9, True, False), (10**9, True, True)],
-                         ids=["plain-producer", "loads-ahead-producer", "dual-producer", "dual-pipe-producer"])
-def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dual, dual_pipe, dq_bits):
+@pytest.mark.parametrize("min_chunks, dual", [(10**9, False), (0, False), (10**9, True)],
+                         ids=["plain-producer", "loads-ahead-producer", "dual-producer"])
+def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dual, dq_bits):
     """The warp-specialised kernel's fp8 -> bf16 step, isolated, in both fp8 producers (the
     plain one and the one whose loads run ahead; one candidate per token alone would pick the
     plain one) and both decodes: integer moves and bf16x2 multiplies (the default), or the
@@ -662,7 +658,7 @@ def test_sm90_dequantisation_is_exact_for_every_byte(min_chunks, dual, dual_pipe
     q = torch.zeros(rows, 64, lay.head_dim, dtype=torch.bfloat16, device=device)
     base = kernel_config(rows, 64, lay.head_dim, 1, device, 1)
     cfg = dataclasses.replace(base, sm90=True, sm90_ws=True, sm90_pipe_min_chunks=min_chunks,
-                              sm90_dequant_bits=dq_bits, sm90_dual_producer=dual, sm90_dual_pipe=dual_pipe)
+                              sm90_dequant_bits=dq_bits, sm90_dual_producer=dual)
     assert uses_sm90(cfg, [cset], lay)
     out = torch.empty_like(q)
     lse = torch.empty(rows, 64, dtype=torch.float32, device=device)

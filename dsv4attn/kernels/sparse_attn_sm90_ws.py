@@ -292,60 +292,6 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     return it
 
 
-@gluon.jit
-def _produce_set_rows_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                           cache_ptr, stride_blk, block_size, capacity,
-                           idx_ptr, stride_idx, bt_ptr, stride_bt, max_blocks, start, length, req, x, y,
-                           W: gl.constexpr, IS_RANGE: gl.constexpr, PREFETCH: gl.constexpr, DQ_BITS: gl.constexpr):
-    """:func:`_produce_set_rows` with each load a quarter of the work ahead of its use (``DUAL``
-    with ``PIPE``). A warpgroup's half-chunk is loaded in two parts: tiles 0-3 with the scale
-    word (lo), tiles 4-6 with the RoPE (hi). Per chunk: hi's loads go out, then (once the stage
-    is free) lo is dequantised and stored, then the next chunk's lo is loaded, then hi is
-    dequantised and stored. So every load travels while the warpgroup dequantises the other
-    part, instead of both warpgroups waiting for their loads together; the registers in flight
-    are one half-chunk's, as before. The next chunk's lo is carried across the loop's back edge
-    as 32-bit words (with its rows' offsets, validity and scale word); slot lookups run two
-    chunks ahead, and L2 is asked for the lines of the chunk after next."""
-    n_mine = _n_mine(length, split, num_splits)
-    r0, r1, r2, r3, sc, data, valid = _load_lo(cache_ptr, x, _half_rows(W, split, num_splits), start, block_size,
-                                               capacity, stride_blk, IS_RANGE)
-    if PREFETCH:  # this warpgroup's half of the next chunk
-        _prefetch_half(cache_ptr, y, _half_rows(W + 2, split, num_splits), start, block_size, capacity, stride_blk,
-                       IS_RANGE)
-    x = y
-    y = _candidate_entry(t, _half_rows(W + 4, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                         max_blocks, start, req, block_size, IS_RANGE)
-    for i in range(n_mine):
-        h = 2 * i + W
-        r4, r5, r6, rope = _load_hi(cache_ptr, data, valid)
-        if PREFETCH:  # the chunk after next (the next one's were asked for a chunk ago)
-            _prefetch_half(cache_ptr, y, _half_rows(h + 4, split, num_splits), start, block_size, capacity,
-                           stride_blk, IS_RANGE)
-        st = it % 2
-        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-        k32 = _stage_words(k_bufs, st).slice(W * HALF, HALF, dim=0)
-        _store_lo(r0, r1, r2, r3, sc, k32, DQ_BITS)
-        # The next chunk's lo (masked off past this split's chunks), then the lookups two ahead.
-        n0, n1, n2, n3, nsc, ndata, nvalid = _load_lo(cache_ptr, x, _half_rows(h + 2, split, num_splits), start,
-                                                      block_size, capacity, stride_blk, IS_RANGE)
-        x = y
-        y = _candidate_entry(t, _half_rows(h + 6, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                             stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        _store_hi(r4, r5, r6, rope, sc, valid, k32, valid_bufs.index(st).slice(W * HALF, HALF, dim=0), DQ_BITS)
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
-        r0 = n0
-        r1 = n1
-        r2 = n2
-        r3 = n3
-        sc = nsc
-        data = ndata
-        valid = nvalid
-        it += 1
-    return it
-
-
 # The pipelined producer (``PIPE``) carries half a chunk's loads across the loop's back edge; as
 # 32-bit words (a uint8 tensor carried through a loop takes one register per byte), one tensor
 # per 64-dim tile, dequantised four tiles at a time (so its bf16 pairs do not all wait in
@@ -370,10 +316,9 @@ def _stage_words(k_bufs, st):
 
 
 @gluon.jit
-def _load_lo(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
-    """The first loads of a half-chunk as 32-bit words (``x``: its slot lookups): fp8 tiles 0-3
-    [32, 16] int32 each, the scale word; with the rows' data offsets and validity, which
-    :func:`_load_hi` takes."""
+def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
+    """:func:`_load_half` as 32-bit words: the 7 fp8 tiles [32, 16] int32 each, RoPE [32, 32]
+    int32 (bf16 pairs), the scale word, validity."""
     data, scale, valid = _row_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start, block_size,
                                     capacity, stride_blk, IS_RANGE)
     wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
@@ -383,17 +328,6 @@ def _load_lo(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE:
     r1 = gl.load(wptr + 16, mask=m, other=0)
     r2 = gl.load(wptr + 32, mask=m, other=0)
     r3 = gl.load(wptr + 48, mask=m, other=0)
-    sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
-    return r0, r1, r2, r3, sc, data, valid
-
-
-@gluon.jit
-def _load_hi(cache_ptr, data, valid):
-    """The other loads of a half-chunk (rows at byte offsets ``data``): fp8 tiles 4-6 [32, 16]
-    int32 each and the RoPE [32, 32] int32 (bf16 pairs)."""
-    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
-        gl.arange(0, 16, layout=gl.SliceLayout(0, WT_L)), 0)
-    m = gl.expand_dims(valid, 1)
     r4 = gl.load(wptr + 64, mask=m, other=0)
     r5 = gl.load(wptr + 80, mask=m, other=0)
     r6 = gl.load(wptr + 96, mask=m, other=0)
@@ -401,15 +335,7 @@ def _load_hi(cache_ptr, data, valid):
     rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
     rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0),
                    mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
-    return r4, r5, r6, rope
-
-
-@gluon.jit
-def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
-    """:func:`_load_half` as 32-bit words: the 7 fp8 tiles [32, 16] int32 each, RoPE [32, 32]
-    int32 (bf16 pairs), the scale word, validity."""
-    r0, r1, r2, r3, sc, data, valid = _load_lo(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE)
-    r4, r5, r6, rope = _load_hi(cache_ptr, data, valid)
+    sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return r0, r1, r2, r3, r4, r5, r6, rope, sc, valid
 
 
@@ -444,33 +370,18 @@ def _cat4(a, b, c, d):
 
 
 @gluon.jit
-def _store_lo(r0, r1, r2, r3, sc, k32, DQ_BITS: gl.constexpr):
-    """Tiles 0-3 of a half-chunk (:func:`_load_tiles`' words), dequantised, into columns 0-127 of
-    ``k32`` [32, 256] int32 (rows of a K stage, bf16 pairs), in one store."""
-    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
-    k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0, DQ_BITS), _dequant_tile(r1, s, 1, DQ_BITS),
-                                         _dequant_tile(r2, s, 2, DQ_BITS), _dequant_tile(r3, s, 3, DQ_BITS)))
-
-
-@gluon.jit
-def _store_hi(r4, r5, r6, rope, sc, valid, k32, valid_half, DQ_BITS: gl.constexpr):
-    """Tiles 4-6 and the RoPE words (tile 7) of a half-chunk into columns 128-255 of ``k32``, in
-    one store, and the rows' validity."""
-    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
-    k32.slice(128, 128, dim=1).store(_cat4(_dequant_tile(r4, s, 4, DQ_BITS), _dequant_tile(r5, s, 5, DQ_BITS),
-                                           _dequant_tile(r6, s, 6, DQ_BITS), rope))
-    valid_half.store(valid.to(gl.int8))
-
-
-@gluon.jit
 def _store_tiles(r0, r1, r2, r3, r4, r5, r6, rope, sc, valid, k32, valid_half, DQ_BITS: gl.constexpr):
     """:func:`_load_tiles`' half-chunk, dequantised, into ``k32`` [32, 256] int32 (rows of a K
     stage, bf16 pairs) in two stores of four tiles; tile 7 takes the RoPE words. (Triton fences
     each store into part of one buffer with a barrier of the partition: one store per tile,
     which keeps fewer registers live, measured 10% slower on the H200; one store for all eight
     spills.)"""
-    _store_lo(r0, r1, r2, r3, sc, k32, DQ_BITS)
-    _store_hi(r4, r5, r6, rope, sc, valid, k32, valid_half, DQ_BITS)
+    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
+    k32.slice(0, 128, dim=1).store(_cat4(_dequant_tile(r0, s, 0, DQ_BITS), _dequant_tile(r1, s, 1, DQ_BITS),
+                                         _dequant_tile(r2, s, 2, DQ_BITS), _dequant_tile(r3, s, 3, DQ_BITS)))
+    k32.slice(128, 128, dim=1).store(_cat4(_dequant_tile(r4, s, 4, DQ_BITS), _dequant_tile(r5, s, 5, DQ_BITS),
+                                           _dequant_tile(r6, s, 6, DQ_BITS), rope))
+    valid_half.store(valid.to(gl.int8))
 
 
 @gluon.jit
@@ -855,26 +766,15 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                                                            b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt,
                                                            b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr, W,
                                                            B_RANGE, B_LEN)
-        if PIPE:  # each load a quarter of the work ahead
-            it = _produce_set_rows_pipe(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                                        a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                        a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_length, a_req, ax, ay,
-                                        W, A_RANGE, PREFETCH, DQ_BITS)
-            if HAS_B:
-                _produce_set_rows_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                                       b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                                       b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_length, b_req, bx, by,
-                                       W, B_RANGE, PREFETCH, DQ_BITS)
-        else:
-            it = _produce_set_rows(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                                   a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                   a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_length, a_req, ax, ay,
-                                   W, A_RANGE, PREFETCH, DQ_BITS)
-            if HAS_B:
-                _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                                  b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                                  b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_length, b_req, bx, by,
-                                  W, B_RANGE, PREFETCH, DQ_BITS)
+        it = _produce_set_rows(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                               a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+                               a_bt_ptr, a_stride_bt, a_max_blocks, a_start, a_length, a_req, ax, ay,
+                               W, A_RANGE, PREFETCH, DQ_BITS)
+        if HAS_B:
+            _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                              b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                              b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_length, b_req, bx, by,
+                              W, B_RANGE, PREFETCH, DQ_BITS)
     elif CLUSTER:
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF)

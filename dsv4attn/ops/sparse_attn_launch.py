@@ -99,11 +99,6 @@ class KernelConfig:
     #: 3-5% faster on the decode rows on an H100 (docs/benchmarks.md, Tables 53-54), and the
     #: attention suites pass with it in every dispatch: the default.
     sm90_dual_producer: bool = True
-    #: With two producer warpgroups, each loads its half-chunk in two parts and issues each part's
-    #: loads while it dequantises the other (the next chunk's first part carried across chunks), so
-    #: no warpgroup waits for its loads with nothing to do (``PIPE`` in ``DUAL``). Same bf16 tiles:
-    #: bit-identical to the dual producer (tuning switch).
-    sm90_dual_pipe: bool = False
     #: On bf16 pages, run the q-in-registers kernel (:mod:`dsv4attn.kernels.sparse_attn_sm90_qreg`:
     #: warpgroup 0 holds q in registers and computes the logits one chunk ahead of the softmax;
     #: two other warpgroups each multiply half of ``P V`` and copy half the rows into three K
@@ -405,7 +400,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             extra = dict(COL_COPIES=cfg.sm90_qreg_col_copies)
         elif ws:
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
-            extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe or (dual and cfg.sm90_dual_pipe),
+            extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
