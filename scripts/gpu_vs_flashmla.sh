@@ -13,8 +13,10 @@
 #   fields KCFG="field=value,..." in every dispatch) | sweep (scripts/attn_variants.py) | quick (its --quick) |
 #   prefill (its --prefill, PREFILL_ARGS=--bf16: bf16 pages only) | report | host (eager host time per call,
 #   scripts/host_overhead.py) | vs (the side-by-side table; VS_ARGS: more options, e.g. --back-to-back) |
-#   vs2 (it again with KCFG) | vssweep (both libraries' decode over 4-32 chunks, fitted as fixed + per
-#   chunk) -- each logs to $OUT/<step>.txt.
+#   vs2 (it again with KCFG) | vsold (it again with the kernel files in OLD_KERNELS swapped in for the
+#   step: a folder of dsv4attn/kernels/*.py from another commit, e.g. filled with `git show REV:path`,
+#   so two versions are timed on one machine) | vssweep (both libraries' decode over 4-32 chunks,
+#   fitted as fixed + per chunk) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 SRC="$1"; SAVED="$2"; shift 2
@@ -70,6 +72,13 @@ for step in "$@"; do
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           ${VS_ONLY:+--only "$VS_ONLY"} --kernel-config "$KCFG" --json "$OUT/vs2.json" 2>&1 | tee "$OUT/vs2.txt" \
           | grep -v "^  " | tail -n 24 ;;
+    vsold) # the side by side with OLD_KERNELS' files in place of the working tree's, then restored
+        wait_build; mkdir -p /tmp/kernels_now && cp dsv4attn/kernels/*.py /tmp/kernels_now/
+        cp "$OLD_KERNELS"/*.py dsv4attn/kernels/
+        timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
+          ${VS_ONLY:+--only "$VS_ONLY"} ${VS_ARGS:-} --json "$OUT/vsold.json" 2>&1 | tee "$OUT/vsold.txt" \
+          | grep -v "^  " | tail -n 24
+        cp /tmp/kernels_now/*.py dsv4attn/kernels/ ;;
     vssweep) # both libraries' decode at B=1024 over 4-32 chunks, each fitted as fixed + per chunk
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           --decode-sweep --json "$OUT/vssweep.json" 2>&1 | tee "$OUT/vssweep.txt" | grep "^fit\|^decode sweep" ;;
