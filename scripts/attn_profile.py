@@ -5,7 +5,9 @@
 
 Same inputs as ``scripts/attn_variants.py``: decode, 512 + 128 fp8 candidates per token, sink;
 with ``--prefill TOPK``, its prefill rows instead (``--batch`` query tokens, bf16 pages of 16384
-rows, one indices-form set of TOPK rows per token, sink).
+rows, one indices-form set of TOPK rows per token, sink). With ``--flashmla PATH`` (decode only)
+FlashMLA's ``flash_mla_with_kvcache`` runs on the same cache bytes instead, for the same
+sections of its kernel (``ncu -k regex:flash`` ...): both libraries profiled on one machine.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="sm90 kernel parts to skip (KernelConfig.sm90_skip)")
     ap.add_argument("--config", default="", help="KernelConfig fields to change, e.g. sm90_cluster=True")
     ap.add_argument("--prefill", type=int, default=0, metavar="TOPK", help="the prefill rows' inputs (bf16 pages)")
+    ap.add_argument("--flashmla", default="", metavar="PATH", help="run FlashMLA's decode (built package at PATH)")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.prefill:
@@ -39,6 +42,9 @@ def main() -> None:
         q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(a.batch, gen)
         sink = torch.randn(a.heads, device="cuda", generator=gen)
+    if a.flashmla and not a.prefill:
+        run_flashmla(a.flashmla, q, sets, sink, a.launches)
+        return
     out = torch.empty_like(q)
     lse = torch.empty(a.batch, a.heads, device="cuda")
     over = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in a.config.split(",") if kv)}
@@ -48,6 +54,28 @@ def main() -> None:
         launch(q, sets, SCALE, sink, out, lse, None, None, cfg)
     torch.cuda.synchronize()
     print(cfg)
+
+
+def run_flashmla(path: str, q: torch.Tensor, sets: list[CandidateSet], sink: torch.Tensor, launches: int) -> None:
+    """FlashMLA's decode on the same inputs: set 0 as its top-k indices, set 1 as its extra cache
+    (the bench's call, one query token per request)."""
+    from benchmarks.bench_vs_flashmla import load_flashmla
+
+    fm = load_flashmla(path)
+    if fm is None:
+        raise SystemExit(f"no FlashMLA at {path}")
+    f8 = torch.float8_e4m3fn
+    meta, _ = fm.get_mla_metadata()
+    main, extra = sets
+    if main.indices is None or extra.indices is None:
+        raise SystemExit("FlashMLA's decode takes indices-form sets")
+    for _ in range(launches):
+        fm.flash_mla_with_kvcache(q[:, None], main.cache.unsqueeze(-2).view(f8), None, None, D, meta,
+                                  softmax_scale=SCALE, is_fp8_kvcache=True, indices=main.indices[:, None],
+                                  attn_sink=sink, extra_k_cache=extra.cache.unsqueeze(-2).view(f8),
+                                  extra_indices_in_kvcache=extra.indices[:, None])
+    torch.cuda.synchronize()
+    print(f"FlashMLA from {path}: {launches} decode calls")
 
 
 if __name__ == "__main__":
