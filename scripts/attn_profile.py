@@ -7,7 +7,7 @@ Same inputs as ``scripts/attn_variants.py``: decode, 512 + 128 fp8 candidates pe
 with ``--prefill TOPK``, its prefill rows instead (``--batch`` query tokens, bf16 pages of 16384
 rows, one indices-form set of TOPK rows per token, sink). With ``--flashmla PATH`` (decode only)
 FlashMLA's ``flash_mla_with_kvcache`` runs on the same cache bytes instead, for the same
-sections of its kernel (``ncu -k regex:flash`` ...): both libraries profiled on one machine.
+sections of its kernel (``ncu -k regex:splitkv_mla_fp8_sparse`` ...): both libraries profiled on one machine.
 """
 
 from __future__ import annotations
