@@ -2,9 +2,10 @@
 
 Same grid, arguments and outputs as :func:`dsv4attn.kernels.sparse_attn_sm90._sparse_mla_attn_sm90_kernel`
 on fp8 pages of the 448 + 64 layout or bf16 pages (the launcher picks one or the other; on bf16
-pages the producer copies rows with ``cp.async`` instead of dequantising). One CTA of 12 warps in three
-partitions that share q, two K stages [64, 512] bf16, P and the per-chunk validity vectors in
-shared memory and hand work over with mbarriers (docs/design.md, "Attention kernel"):
+pages the producer copies rows with ``cp.async`` instead of dequantising). One CTA of 12 warps in
+three partitions (on fp8 pages by default 16 in four: ``DUAL``, below) that share q, two K stages
+[64, 512] bf16, P and the per-chunk validity vectors in shared memory and hand work over with
+mbarriers (docs/design.md, "Attention kernel"):
 
 - the **producer** (4 warps, 128 registers) gathers each 64-candidate chunk with plain 16-byte
   loads into registers, issued before it waits for a free K stage (slot lookups one chunk ahead),
@@ -33,6 +34,12 @@ With ``CLUSTER`` (65-128 heads, fp8 pages; ``KernelConfig.sm90_cluster``, off by
 token's two head tiles run as one cluster of two CTAs whose producers each dequantise half of
 every chunk into both CTAs' K stages (:func:`_produce_set_cluster`; inline PTX, see the comment
 above :data:`_CL_BASE`).
+
+With ``DUAL`` (fp8 pages; ``KernelConfig.sm90_dual_producer``, the default) the CTA has 16 warps:
+two producer warpgroups of 80 registers share the gathers and the dequantisation, warpgroup W
+filling rows ``32 W ..`` of every chunk (:func:`_rows_start`, :func:`_produce_set_rows`), and
+each consumer's half of O is two 64 x 128 accumulators (:func:`_wg0_loop_dual`,
+:func:`_wg1_dual`; warpgroup 0 then has 192 registers).
 """
 
 from __future__ import annotations
