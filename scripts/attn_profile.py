@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, metavar="TOPK", help="the prefill rows' inputs (bf16 pages)")
     ap.add_argument("--flashmla", default="", metavar="PATH", help="run FlashMLA's decode (built package at PATH)")
     a = ap.parse_args()
+    if a.flashmla and a.prefill:
+        ap.error("--flashmla runs FlashMLA's decode only; it does not take --prefill")
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.prefill:
         kv, idx, q, sink, lengths = prefill_inputs(a.batch, a.heads, a.prefill, gen)
@@ -42,7 +44,7 @@ def main() -> None:
         q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(a.batch, gen)
         sink = torch.randn(a.heads, device="cuda", generator=gen)
-    if a.flashmla and not a.prefill:
+    if a.flashmla:
         run_flashmla(a.flashmla, q, sets, sink, a.launches)
         return
     out = torch.empty_like(q)
