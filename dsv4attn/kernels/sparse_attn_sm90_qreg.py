@@ -43,7 +43,7 @@ from dsv4attn.kernels.sparse_attn_sm90 import (
 )
 from dsv4attn.kernels.sparse_attn_sm90_ws import (
     HALF_V, KB4_L, KB4_ROW, O4_L, Q4_L, ROW_O, S4_L, _n_mine, _n_total,
-    _softmax_step, _store_half_o,
+    _chunk_valid, _softmax_step, _store_half_o,
 )
 
 #: Warps of the default partition (warpgroup 0); the two P V warpgroups run on top with these
@@ -156,7 +156,7 @@ def _logits(q_a, q_b, q_tail, k_cur):
 def _hand_over(s, c, valid_bufs, p_bufs, a_bufs, p_ready, p_free, qk_scale, m_i, l_i):
     """The online softmax of chunk ``c``'s logits ``s``; P and the rescale factors to the P V
     warpgroups (buffer ``c % 2``, once they have multiplied chunk c - 2)."""
-    p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(c % STAGES), qk_scale, m_i, l_i)
+    p, alpha, m_i, l_i = _softmax_step(s, _chunk_valid(valid_bufs.index(c % STAGES)), qk_scale, m_i, l_i)
     pb = c % 2
     mbarrier.wait(p_free.index(pb), ((c // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
     p_bufs.index(pb).store(p.to(gl.bfloat16))

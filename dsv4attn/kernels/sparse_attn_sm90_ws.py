@@ -912,12 +912,20 @@ def _n_total(t, split, num_splits,
 
 
 @gluon.jit
-def _softmax_step(s, valid_buf, qk_scale, m_i, l_i):
+def _chunk_valid(valid_buf):
+    """A chunk's validity vector [64] (int8, 0: no candidate) from shared memory, in the layout
+    of the logits' columns. Read between the logits' wgmma issue and its wait, its latency runs
+    under the product instead of after it."""
+    return valid_buf.load(gl.SliceLayout(0, S4_L))
+
+
+@gluon.jit
+def _softmax_step(s, valid, qk_scale, m_i, l_i):
     """One chunk of the online softmax (base 2) on the logits ``s`` [64, 64] (S4_L): invalid
-    candidates (``valid_buf`` 0) get -inf; returns P (fp32), each row's rescale factor for what
-    came before, and the new row max and sum (a row with nothing valid yet keeps max -inf and
-    sum 0)."""
-    ok = gl.expand_dims(valid_buf.load(gl.SliceLayout(0, S4_L)) != 0, 0)
+    candidates (``valid`` 0, from :func:`_chunk_valid`) get -inf; returns P (fp32), each row's
+    rescale factor for what came before, and the new row max and sum (a row with nothing valid
+    yet keeps max -inf and sum 0)."""
+    ok = gl.expand_dims(valid != 0, 0)
     s = gl.where(ok, s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -945,8 +953,10 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
         else:
             q_cur = q_all.index(0)
         s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
-                          use_acc=False)
-        p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(st), qk_scale, m_i, l_i)
+                          use_acc=False, is_async=True)
+        valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         pa = gl.convert_layout(p16, P_A)
@@ -975,8 +985,10 @@ def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bu
         mbarrier.wait(full.index(st), (i // 2) & 1)
         k_cur = k_bufs.index(st)
         s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
-                          use_acc=False)
-        p, alpha, m_i, l_i = _softmax_step(s, valid_bufs.index(st), qk_scale, m_i, l_i)
+                          use_acc=False, is_async=True)
+        valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
         o0 = o0 * a2
