@@ -179,14 +179,15 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
     floor = max(bytes_ / ceil.copy_bytes_per_s, 2.0 * h * n * 2 * D * b / ceil.mma_flops) * 1e6
     o_ours, l_ours = ours()
     res = Result(name, None, median_us(ours), floor)
-    # The batch-invariant mode through the op (same bytes, both sets in indices form).
-    q3 = q[:, 0]
+    rows, fns = dict(ours=res), dict(ours=ours)  # the rows this case returns, and what each one times
+    if det_row:  # the batch-invariant mode through the op (same bytes, both sets in indices form)
+        q3 = q[:, 0]
 
-    def ours_det():
-        return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
+        def ours_det():
+            return dsv4attn.sparse_mla_attention(q3, sets, SCALE, sink, deterministic=True)
 
-    det = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det) if det_row else 0.0, floor)
-    fns = dict(ours=ours, det=ours_det) if det_row else dict(ours=ours)
+        rows["det"] = Result(name + " (dsv4attn deterministic)", None, median_us(ours_det), floor)
+        fns["det"] = ours_det
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
         f8 = torch.float8_e4m3fn
@@ -198,14 +199,17 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         o_fm, l_fm = theirs()
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
         if det_row:
-            compare(name + " deterministic", o_fm[:, 0], ours_det()[0], l_fm[..., 0], ours_det()[1])
-        res.flashmla_us = det.flashmla_us = median_us(theirs)
+            o_det, l_det = ours_det()
+            compare(name + " deterministic", o_fm[:, 0], o_det, l_fm[..., 0], l_det)
+        res.flashmla_us = median_us(theirs)
+        for row in rows.values():
+            row.flashmla_us = res.flashmla_us
         fns["theirs"] = theirs
     if b2b:
         back_to_back(res, ours, fns.get("theirs"))
     if rounds:
-        graph_times(fns, dict(ours=res, det=det) if det_row else dict(ours=res), rounds)
-    return [res, det] if det_row else [res]
+        graph_times(fns, rows, rounds)
+    return list(rows.values())
 
 
 def prefill_case(fm, h: int, topk: int, s_q: int, s_kv: int, ceil: Ceilings, device, rounds: int,
