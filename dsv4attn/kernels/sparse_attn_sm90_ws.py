@@ -307,6 +307,13 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 WT_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 WTO_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 WT_ROW = gl.constexpr(gl.SliceLayout(1, WT_L))
+# The cluster's two producers (``DUAL`` with ``CLUSTER``): a lane holds 8 fp8 bytes of one row's
+# tile, 8 lanes a row, 4 rows per warp; dequantised, [32, 32] words with one 16-byte chunk per
+# lane, so that one store instruction of a warp writes 4 whole 128-byte rows of a K stage
+# (contiguous in both CTAs: a remote store of 32 scattered 16-byte pieces costs far more).
+WC_L = gl.constexpr(gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+WCO_L = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+WC_ROW = gl.constexpr(gl.SliceLayout(1, WC_L))
 #: A K stage seen as 32-bit words (same bytes, same 128-byte swizzle).
 MMA_SMEM32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 #: Triton 3.9 names it ``reinterpret``, 3.6 ``_reinterpret``.
@@ -347,8 +354,9 @@ def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RAN
 
 
 @gluon.jit
-def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
-    """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs: each word's four
+def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr, OUT_L: gl.constexpr = WTO_L):
+    """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs (``OUT_L``: WTO_L
+    from WT_L, WCO_L from WC_L, each lane's words staying with it): each word's four
     e4m3 bytes times the tile's 2^(byte-127), exactly, by inline PTX: ``DQ_BITS``, integer moves
     and bf16x2 multiplies (:data:`_E4M3X4_BF16`); else e4m3 -> f16 -> f32, the product, -> bf16."""
     e = ((sc >> (8 * T)) & 255).to(gl.uint32)
@@ -356,7 +364,7 @@ def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
         w = gl.broadcast(gl.expand_dims(((e << 7) | (e << 23)).to(gl.int32, bitcast=True), 1), r)[0]
         lo, hi = gl.inline_asm_elementwise(_E4M3X4_BF16, "=r,=r,r,r,r", [r, w, w], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
-        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
+        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), OUT_L)
     scale = gl.expand_dims((e << 23).to(gl.float32, bitcast=True), 1)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b16 l, h, x0, x1, x2, x3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
@@ -366,7 +374,7 @@ def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
         "mul.f32 f0, f0, $3; mul.f32 f1, f1, $3; mul.f32 f2, f2, $3; mul.f32 f3, f3, $3; "
         "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }",
         "=r,=r,r,r", [r, gl.broadcast(scale, r)[0]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), OUT_L)
 
 
 @gluon.jit
@@ -611,20 +619,21 @@ def _cl_one(asm: gl.constexpr, a, b):
 
 
 @gluon.jit
-def _cl_tile_addr(rank, K_OFF: gl.constexpr):
-    """[32, 32] shared addresses (WTO_L) of this CTA's half-chunk rows (32 * rank + r) in K stage 0,
-    64-dim tile 0, word w: the stage's 128-byte swizzle (64-column blocks of 64 rows x 128 bytes,
-    16-byte chunk c of row R at c ^ (R % 8)); only each thread's words 0 and 4 are used."""
-    r = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, WTO_L)), 1)
-    w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0)
+def _cl_tile_addr(rank, K_OFF: gl.constexpr, L: gl.constexpr = WTO_L):
+    """[32, 32] shared addresses (layout ``L``: WTO_L, or WCO_L for the two producers) of this
+    CTA's half-chunk rows (32 * rank + r) in K stage 0, 64-dim tile 0, word w: the stage's
+    128-byte swizzle (64-column blocks of 64 rows x 128 bytes, 16-byte chunk c of row R at
+    c ^ (R % 8)); only the first word of each thread's 16-byte chunks is used."""
+    r = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, L)), 1)
+    w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L)), 0)
     base = _cl_op(_CL_SMEM, rank, rank * 0 + K_OFF)
     return base + rank * (HALF * 128) + r * 128 + (((w >> 2) ^ (r & 7)) << 4) + (w & 3) * 4
 
 
 @gluon.jit
-def _cl_st(words, addr, off, delta, bar):
-    """Tile words [32, 32] (WTO_L) into both CTAs' K stage: ``addr + off`` here and in the peer."""
-    zero = gl.full([HALF, 32], 0, gl.int32, WTO_L)
+def _cl_st(words, addr, off, delta, bar, L: gl.constexpr = WTO_L):
+    """Tile words [32, 32] (layout ``L``) into both CTAs' K stage: ``addr + off`` here and in the peer."""
+    zero = gl.full([HALF, 32], 0, gl.int32, L)
     gl.inline_asm_elementwise(_CL_ST2, _CL_ST2_C, [words, addr, zero + off, zero + delta, zero + bar],
                               dtype=gl.int32, is_pure=False, pack=4)
 
@@ -707,13 +716,14 @@ def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, s
 
 @gluon.jit
 def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.constexpr, IS_RANGE: gl.constexpr):
-    """:func:`_load_tiles` for one producer warpgroup of ``DUAL`` with ``CLUSTER``: warpgroup W's
-    four of the half-chunk's eight 64-dim tiles (W 0: fp8 tiles 0-3; W 1: fp8 tiles 4-6 and the
-    RoPE, already bf16 pairs in WTO_L), the scale word and validity."""
-    data, scale, valid = _row_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start, block_size,
+    """The page loads of one producer warpgroup of ``DUAL`` with ``CLUSTER``: warpgroup W's four
+    of the half-chunk's eight 64-dim tiles (W 0: fp8 tiles 0-3; W 1: fp8 tiles 4-6 and the RoPE,
+    already bf16 pairs), as 32-bit words in WC_L (8 bytes per lane) and the RoPE in WCO_L (16
+    bytes per lane); the scale word and validity."""
+    data, scale, valid = _row_place(gl.convert_layout(x, WC_ROW), gl.convert_layout(j, WC_ROW), start, block_size,
                                     capacity, stride_blk, IS_RANGE)
     wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
-        gl.arange(0, 16, layout=gl.SliceLayout(0, WT_L)), 0)
+        gl.arange(0, 16, layout=gl.SliceLayout(0, WC_L)), 0)
     m = gl.expand_dims(valid, 1)
     if W == 0:
         r0 = gl.load(wptr, mask=m, other=0)
@@ -724,9 +734,9 @@ def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.c
         r0 = gl.load(wptr + 64, mask=m, other=0)
         r1 = gl.load(wptr + 80, mask=m, other=0)
         r2 = gl.load(wptr + 96, mask=m, other=0)
-        rrow: gl.constexpr = gl.SliceLayout(1, WTO_L)
+        rrow: gl.constexpr = gl.SliceLayout(1, WCO_L)
         rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
-        r3 = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0),
+        r3 = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WCO_L)), 0),
                      mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
     sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return r0, r1, r2, r3, sc
@@ -735,16 +745,17 @@ def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.c
 @gluon.jit
 def _store_cols_cl(r0, r1, r2, r3, sc, addr, st, delta, bar, W: gl.constexpr, DQ_BITS: gl.constexpr):
     """:func:`_load_cols`' tiles, dequantised, into both CTAs' K stage ``st`` (tiles ``4 W ..``:
-    32 rows x 128 bytes each, 16 KiB per warpgroup and CTA)."""
-    s = gl.convert_layout(sc, gl.SliceLayout(1, WT_L))
+    32 rows x 128 bytes each, 16 KiB per warpgroup and CTA); each store instruction of a warp
+    writes 4 whole rows of a tile."""
+    s = gl.convert_layout(sc, WC_ROW)
     so = st * (BLOCK_N * HEAD_DIM * 2) + W * (4 * 8192)
-    _cl_st(_dequant_tile(r0, s, 4 * W, DQ_BITS), addr, so, delta, bar)
-    _cl_st(_dequant_tile(r1, s, 4 * W + 1, DQ_BITS), addr, so + 8192, delta, bar)
-    _cl_st(_dequant_tile(r2, s, 4 * W + 2, DQ_BITS), addr, so + 2 * 8192, delta, bar)
+    _cl_st(_dequant_tile(r0, s, 4 * W, DQ_BITS, WCO_L), addr, so, delta, bar, WCO_L)
+    _cl_st(_dequant_tile(r1, s, 4 * W + 1, DQ_BITS, WCO_L), addr, so + 8192, delta, bar, WCO_L)
+    _cl_st(_dequant_tile(r2, s, 4 * W + 2, DQ_BITS, WCO_L), addr, so + 2 * 8192, delta, bar, WCO_L)
     if W == 0:
-        _cl_st(_dequant_tile(r3, s, 3, DQ_BITS), addr, so + 3 * 8192, delta, bar)
+        _cl_st(_dequant_tile(r3, s, 3, DQ_BITS, WCO_L), addr, so + 3 * 8192, delta, bar, WCO_L)
     else:
-        _cl_st(r3, addr, so + 3 * 8192, delta, bar)
+        _cl_st(r3, addr, so + 3 * 8192, delta, bar, WCO_L)
 
 
 @gluon.jit
@@ -770,8 +781,8 @@ def _produce_set_cluster_cols(it, valid_bufs, full, rank, addr, delta, peer_bar,
     xv = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
-        r0, r1, r2, r3, sc = _load_cols(cache_ptr, x, _half_rows(2 * i + rank, split, num_splits), start, block_size,
-                                        capacity, stride_blk, W, IS_RANGE)
+        r0, r1, r2, r3, sc = _load_cols(cache_ptr, x, _half_rows(2 * i + rank, split, num_splits), start,
+                                        block_size, capacity, stride_blk, W, IS_RANGE)
         if PREFETCH and W == 0:  # the lines of the next chunk's rows
             _prefetch_half(cache_ptr, y, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size,
                            capacity, stride_blk, IS_RANGE)
@@ -857,7 +868,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               DUAL: gl.constexpr, W: gl.constexpr):
     if DUAL and CLUSTER:  # one of two producer warpgroups of a cluster CTA: 64-dim tiles 4 W .. of its rows
         peer = 1 - pid_h
-        addr = _cl_tile_addr(pid_h, K_OFF)
+        addr = _cl_tile_addr(pid_h, K_OFF, WCO_L)
         delta = _cl_op(_CL_DELTA, peer, peer)
         peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
         _cl_op(_CL_SYNC, pid_h, pid_h)  # the peer's barriers are initialised before the first remote store
