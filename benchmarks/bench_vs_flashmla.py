@@ -159,6 +159,16 @@ def decode_inputs(b: int, h: int, topk: int, swa: int, device, gen) -> DecodeInp
     return DecodeInputs(main, extra, idx, eidx, q, sink, sets)
 
 
+def flashmla_decode(fm, meta, q, main, extra, idx, eidx, sink):
+    """FlashMLA's sparse fp8 decode on this library's cache bytes (``main`` / ``extra``: [blocks,
+    block, entry] uint8 pages, seen as fp8; ``q`` [B, 1, H, D]; ``idx`` / ``eidx`` [B, 1, k]): the
+    call the side by side times, and ``scripts/attn_profile.py --flashmla`` profiles."""
+    f8 = torch.float8_e4m3fn
+    return fm.flash_mla_with_kvcache(q, main.unsqueeze(-2).view(f8), None, None, D, meta, softmax_scale=SCALE,
+                                     is_fp8_kvcache=True, indices=idx, attn_sink=sink,
+                                     extra_k_cache=extra.unsqueeze(-2).view(f8), extra_indices_in_kvcache=eidx)
+
+
 def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device, rounds: int,
                 gen, b2b: bool = False, det_row: bool = True) -> list[Result]:
     """One decode row and (``det_row``) its deterministic-mode row; ``rounds``: of graph timing
@@ -190,20 +200,18 @@ def decode_case(fm, b: int, h: int, topk: int, swa: int, ceil: Ceilings, device,
         fns["det"] = ours_det
     if fm is not None:
         fm_meta, _ = fm.get_mla_metadata()
-        f8 = torch.float8_e4m3fn
 
         def theirs():
-            return fm.flash_mla_with_kvcache(q, main.unsqueeze(-2).view(f8), None, None, D, fm_meta,
-                                             extra_k_cache=extra.unsqueeze(-2).view(f8), **args)
+            return flashmla_decode(fm, fm_meta, q, main, extra, idx, eidx, sink)
 
         o_fm, l_fm = theirs()
         res.max_out_diff, res.max_lse_diff = compare(name, o_fm, o_ours, l_fm, l_ours)
         if det_row:
             o_det, l_det = ours_det()
             compare(name + " deterministic", o_fm[:, 0], o_det, l_fm[..., 0], l_det)
-        res.flashmla_us = median_us(theirs)
+        t_fm = median_us(theirs)
         for row in rows.values():
-            row.flashmla_us = res.flashmla_us
+            row.flashmla_us = t_fm
         fns["theirs"] = theirs
     if b2b:
         back_to_back(res, ours, fns.get("theirs"))
@@ -269,10 +277,10 @@ def decode_sweep(fm, ceil: Ceilings, device, rounds: int, gen, smoke: bool) -> l
         for k in ks:
             res = decode_case(fm, b, h, k, swa, ceil, device, rounds, gen, det_row=False)[0]
             chunks = -(-k // 64) + -(-swa // 64)
-            pts["dsv4attn"].append((chunks, res.dsv4attn_graph_us or res.dsv4attn_us))
-            if res.flashmla_us is not None:
-                pts["FlashMLA"].append((chunks, res.flashmla_graph_us or res.flashmla_us))
-            ours, theirs = pts["dsv4attn"][-1][1], (pts["FlashMLA"][-1][1] if pts["FlashMLA"] else None)
+            ours, theirs = res.dsv4attn_graph_us or res.dsv4attn_us, res.flashmla_graph_us or res.flashmla_us
+            pts["dsv4attn"].append((chunks, ours))
+            if theirs is not None:
+                pts["FlashMLA"].append((chunks, theirs))
             print(f"decode sweep h{h} B{b} chunks {chunks:2d}: dsv4attn {ours:9.1f} us"
                   + ("" if theirs is None else f"  FlashMLA {theirs:9.1f} us  ratio {ours / theirs:.2f}x"), flush=True)
         for lib, xy in pts.items():

@@ -61,21 +61,18 @@ def main() -> None:
 def run_flashmla(path: str, q: torch.Tensor, sets: list[CandidateSet], sink: torch.Tensor, launches: int) -> None:
     """FlashMLA's decode on the same inputs: set 0 as its top-k indices, set 1 as its extra cache
     (the bench's call, one query token per request)."""
-    from benchmarks.bench_vs_flashmla import load_flashmla
+    from benchmarks.bench_vs_flashmla import flashmla_decode, load_flashmla
 
     fm = load_flashmla(path)
     if fm is None:
         raise SystemExit(f"no FlashMLA at {path}")
-    f8 = torch.float8_e4m3fn
     meta, _ = fm.get_mla_metadata()
     main, extra = sets
     if main.indices is None or extra.indices is None:
         raise SystemExit("FlashMLA's decode takes indices-form sets")
     for _ in range(launches):
-        fm.flash_mla_with_kvcache(q[:, None], main.cache.unsqueeze(-2).view(f8), None, None, D, meta,
-                                  softmax_scale=SCALE, is_fp8_kvcache=True, indices=main.indices[:, None],
-                                  attn_sink=sink, extra_k_cache=extra.cache.unsqueeze(-2).view(f8),
-                                  extra_indices_in_kvcache=extra.indices[:, None])
+        flashmla_decode(fm, meta, q[:, None], main.cache, extra.cache, main.indices[:, None], extra.indices[:, None],
+                        sink)
     torch.cuda.synchronize()
     print(f"FlashMLA from {path}: {launches} decode calls")
 
