@@ -80,21 +80,12 @@ def stub_kernels(planned: bool = False) -> None:
     launch cache takes Triton's usual path, so calls are not planned; with ``planned``
     (``--planned``) dispatch takes the sm90 kernels (stand-ins too), the launch cache serves CPU
     tensors and plans launch on a stand-in stream, so calls are planned as on Hopper."""
-    import dsv4attn.kernels.sparse_attn as k
-    import dsv4attn.kernels.sparse_attn_prefill as kp
     from dsv4attn.ops import call_plan, launch_cache
-    from dsv4attn.ops import sparse_attn_launch as sl
+    from dsv4attn.testing.stand_ins import replace_attention_kernels
 
-    k._sparse_mla_attn_kernel = _NoLaunch(k._sparse_mla_attn_kernel)
-    k._sparse_mla_combine_kernel = _NoLaunch(k._sparse_mla_combine_kernel)
-    kp._sparse_mla_prefill_kernel = _NoLaunch(kp._sparse_mla_prefill_kernel)
+    replace_attention_kernels(_NoLaunch, sm90=planned)
     if not planned:
         return
-    real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
-    sm90 = {ws: (_NoLaunch(kern), warps) for ws, (kern, warps) in real.items()}
-    sl.sm90_kernel_available = lambda dev: True
-    sl._sm90_kernel = lambda ws, qreg=False: sm90[ws]
-    sl._cached_config.cache_clear()
     launch_cache.DEVICE_TYPES = ("cpu", "cuda")
     launch_cache.current_device = lambda: 0
     call_plan._stream_source = lambda: ((lambda device: 0), 0)

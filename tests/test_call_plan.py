@@ -25,6 +25,7 @@ from dsv4attn.ops import sparse_attn as sa
 from dsv4attn.ops import sparse_attn_launch as sl
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.testing.attention_oracle import PROD_LAYOUT, SetSpec, build_set
+from dsv4attn.testing.stand_ins import replace_attention_kernels
 
 pytestmark = pytest.mark.usefixtures("launches_through_cache")
 HAS_CUDA = torch.cuda.is_available()
@@ -88,28 +89,14 @@ def stand_ins(request, monkeypatch):
     Hopper), whose stand-ins carry their real parameter lists; ``+direct``: their compiled
     kernels have the parts of Triton's (launcher, function, metadata), so plans launch them
     without the runner, on the stream that :func:`call_plan._stream_source` finds."""
-    from dsv4attn.kernels import sparse_attn as k
-    from dsv4attn.kernels import sparse_attn_prefill as kp
-
     log = _Log()
     direct = request.param.endswith("+direct")
     log.direct, log.is_direct = [], direct
     if direct:
         monkeypatch.setattr(call_plan, "_stream_source", lambda: ((lambda device: _STREAM + device), 0))
         monkeypatch.setattr(call_plan, "DIRECT", True)
-
-    def stand_in(real):
-        return _StandIn(real, log, direct, log.direct)
-
-    monkeypatch.setattr(k, "_sparse_mla_attn_kernel", stand_in(k._sparse_mla_attn_kernel))
-    monkeypatch.setattr(k, "_sparse_mla_combine_kernel", stand_in(k._sparse_mla_combine_kernel))
-    monkeypatch.setattr(kp, "_sparse_mla_prefill_kernel", stand_in(kp._sparse_mla_prefill_kernel))
-    if request.param.startswith("sm90"):
-        real = {ws: sl._sm90_kernel(ws) for ws in (False, True)}
-        stand = {ws: (stand_in(kern), warps) for ws, (kern, warps) in real.items()}
-        monkeypatch.setattr(sl, "sm90_kernel_available", lambda dev: True)
-        monkeypatch.setattr(sl, "_sm90_kernel", lambda ws, qreg=False: stand[ws])
-    sl._cached_config.cache_clear()  # configs cached with the other sm90 answer
+    replace_attention_kernels(lambda real: _StandIn(real, log, direct, log.direct),
+                              sm90=request.param.startswith("sm90"), set_attr=monkeypatch.setattr)
     yield log
     sl._cached_config.cache_clear()
 

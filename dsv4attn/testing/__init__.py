@@ -8,6 +8,8 @@
   oracle of the sparse MLA attention with sink.
 - :mod:`dsv4attn.testing.triton_specs`: the Triton kernel specialisations (what a GPU compiles)
   of the launches a block of code makes, recorded on CPU under the interpreter.
+- :mod:`dsv4attn.testing.stand_ins`: stand-ins for the attention kernels, so dispatch, launch
+  caches and call plans run (and are timed) on CPU as they would on a GPU.
 - :mod:`dsv4attn.testing.tolerance`: how results are compared (max-abs error relative to the
   reference's scale; the bf16 rule "our error <= factor x the reference's own bf16 error").
 
