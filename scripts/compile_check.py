@@ -91,8 +91,8 @@ def compile_all(path: str, targets: list[int]) -> int:
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
-    output, and on fp8 pages the producers: plain or loads ahead, each also as the two-CTA cluster,
-    the merged sets and the two producer warpgroups; the cluster's K-stage offset is checked
+    output, and on fp8 pages the producers: plain or loads ahead, the merged sets and the two
+    producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's K-stage offset is checked
     against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
     copies by rows or by columns)."""
     import inspect
@@ -121,7 +121,7 @@ def compile_sm90() -> int:
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
                 continue
-            if dual and (bf16 or pipe or cluster):  # two producer warpgroups: fp8 pages, loads not ahead
+            if dual and (bf16 or pipe):  # two producer warpgroups: fp8 pages, loads not ahead
                 continue
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)

@@ -146,16 +146,20 @@ def test_sm90_cluster_is_bit_identical_to_two_ctas(case, min_chunks):
 
     ready = [len(sl._cluster_ready)]
 
-    def compiled(name: str) -> None:
+    def compiled(name: str) -> None:  # a cluster launch used a cluster kernel; the others compiled none
         assert not sl._cluster_failures
-        if name == "cluster":
+        if name.startswith("cluster"):
             assert len(sl._cluster_ready) >= max(ready[0], 1)
         else:
             assert len(sl._cluster_ready) == ready[0]
+        ready[0] = len(sl._cluster_ready)
 
     one = dict(sm90_pipe_min_chunks=min_chunks, sm90_dual_producer=False)
-    _assert_variants_bit_identical(case, {"two CTAs": dict(one, sm90_cluster=False),
-                                          "cluster": dict(one, sm90_cluster=True)}, after_launch=compiled)
+    variants = {"two CTAs": dict(one, sm90_cluster=False), "cluster": dict(one, sm90_cluster=True)}
+    if min_chunks:  # two producer warpgroups (never with the loads ahead), as two CTAs and as the cluster
+        variants.update({"two CTAs, dual": dict(one, sm90_dual_producer=True, sm90_cluster=False),
+                         "cluster, dual": dict(one, sm90_dual_producer=True, sm90_cluster=True)})
+    _assert_variants_bit_identical(case, variants, after_launch=compiled)
 
 
 # fp8 cases whose sets share one form: what the merged producer serves (the others walk their
@@ -554,11 +558,12 @@ def test_sm90_merged_producer_dispatch(monkeypatch, device, forms, min_chunks, s
 
 @pytest.mark.parametrize("fp8, switch, cluster, want", [
     (True, True, False, (True, False)), (True, False, False, (False, True)), (False, True, False, (False, False)),
-    (True, True, True, (True, False)),
+    (True, True, True, (True, False)), (True, False, True, (False, True)),
 ])
 def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, want):
     """Dispatch: two producer warpgroups (``DUAL``) on fp8 pages when the switch is on, never with
-    the loads carried ahead (``PIPE``), never on bf16 pages, and the two-CTA cluster gives way."""
+    the loads carried ahead (``PIPE``), never on bf16 pages; with ``sm90_cluster`` too, the two-CTA
+    cluster launch runs them (its producers split each CTA's rows by columns)."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     seen = []
@@ -567,17 +572,22 @@ def test_sm90_dual_producer_dispatch(monkeypatch, device, fp8, switch, cluster, 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append(kwargs)
 
+    def cluster_launch(kernel, warps, grid, args, consts):
+        seen.append(dict(consts, cluster=True))
+        return True
+
     gen = torch.Generator().manual_seed(11)
     sets = [build_set(SetSpec("indices", fp8, 16, 20), 2, [0, 0], SMALL_LAYOUT, gen, device).cset]
     q = torch.randn(2, 128, SMALL_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
     monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
     monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
     monkeypatch.setattr(sl, "_sm90_failures", [])
-    monkeypatch.setattr(sl, "_launch_cluster", lambda *a: pytest.fail("the cluster launch was chosen"))
+    monkeypatch.setattr(sl, "_cluster_failures", [])
+    monkeypatch.setattr(sl, "_launch_cluster", cluster_launch)
     launch(q, sets, 0.1, None, torch.empty_like(q), torch.empty(2, 128, device=device), None, 1,
            config=KernelConfig(64, 64, 1, 8, 1, sm90=True, sm90_pipe_min_chunks=0, sm90_dual_producer=switch,
-                               sm90_cluster=cluster and switch))
-    assert [(kw["DUAL"], kw["PIPE"]) for kw in seen] == [want]
+                               sm90_cluster=cluster))
+    assert [(kw["DUAL"], kw["PIPE"], kw.get("cluster", False)) for kw in seen] == [want + (cluster,)]
 
 
 @pytest.mark.parametrize("fp8, ws, switch, want", [

@@ -307,6 +307,13 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 WT_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 WTO_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
 WT_ROW = gl.constexpr(gl.SliceLayout(1, WT_L))
+# The cluster's two producers (``DUAL`` with ``CLUSTER``): a lane holds 8 fp8 bytes of one row's
+# tile, 8 lanes a row, 4 rows per warp; dequantised, [32, 32] words with one 16-byte chunk per
+# lane, so that one store instruction of a warp writes 4 whole 128-byte rows of a K stage
+# (contiguous in both CTAs: a remote store of 32 scattered 16-byte pieces costs far more).
+WC_L = gl.constexpr(gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0]))
+WCO_L = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+WC_ROW = gl.constexpr(gl.SliceLayout(1, WC_L))
 #: A K stage seen as 32-bit words (same bytes, same 128-byte swizzle).
 MMA_SMEM32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 #: Triton 3.9 names it ``reinterpret``, 3.6 ``_reinterpret``.
@@ -347,8 +354,9 @@ def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RAN
 
 
 @gluon.jit
-def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
-    """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs: each word's four
+def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr, OUT_L: gl.constexpr = WTO_L):
+    """Tile ``T`` [32, 16] words dequantised to [32, 32] words of bf16 pairs (``OUT_L``: WTO_L
+    from WT_L, WCO_L from WC_L, each lane's words staying with it): each word's four
     e4m3 bytes times the tile's 2^(byte-127), exactly, by inline PTX: ``DQ_BITS``, integer moves
     and bf16x2 multiplies (:data:`_E4M3X4_BF16`); else e4m3 -> f16 -> f32, the product, -> bf16."""
     e = ((sc >> (8 * T)) & 255).to(gl.uint32)
@@ -356,7 +364,7 @@ def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
         w = gl.broadcast(gl.expand_dims(((e << 7) | (e << 23)).to(gl.int32, bitcast=True), 1), r)[0]
         lo, hi = gl.inline_asm_elementwise(_E4M3X4_BF16, "=r,=r,r,r,r", [r, w, w], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
-        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
+        return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), OUT_L)
     scale = gl.expand_dims((e << 23).to(gl.float32, bitcast=True), 1)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b16 l, h, x0, x1, x2, x3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
@@ -366,7 +374,7 @@ def _dequant_tile(r, sc, T: gl.constexpr, DQ_BITS: gl.constexpr):
         "mul.f32 f0, f0, $3; mul.f32 f1, f1, $3; mul.f32 f2, f2, $3; mul.f32 f3, f3, $3; "
         "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }",
         "=r,=r,r,r", [r, gl.broadcast(scale, r)[0]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), WTO_L)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [HALF, 32]), OUT_L)
 
 
 @gluon.jit
@@ -611,20 +619,21 @@ def _cl_one(asm: gl.constexpr, a, b):
 
 
 @gluon.jit
-def _cl_tile_addr(rank, K_OFF: gl.constexpr):
-    """[32, 32] shared addresses (WTO_L) of this CTA's half-chunk rows (32 * rank + r) in K stage 0,
-    64-dim tile 0, word w: the stage's 128-byte swizzle (64-column blocks of 64 rows x 128 bytes,
-    16-byte chunk c of row R at c ^ (R % 8)); only each thread's words 0 and 4 are used."""
-    r = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, WTO_L)), 1)
-    w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0)
+def _cl_tile_addr(rank, K_OFF: gl.constexpr, L: gl.constexpr = WTO_L):
+    """[32, 32] shared addresses (layout ``L``: WTO_L, or WCO_L for the two producers) of this
+    CTA's half-chunk rows (32 * rank + r) in K stage 0, 64-dim tile 0, word w: the stage's
+    128-byte swizzle (64-column blocks of 64 rows x 128 bytes, 16-byte chunk c of row R at
+    c ^ (R % 8)); only the first word of each thread's 16-byte chunks is used."""
+    r = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, L)), 1)
+    w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L)), 0)
     base = _cl_op(_CL_SMEM, rank, rank * 0 + K_OFF)
     return base + rank * (HALF * 128) + r * 128 + (((w >> 2) ^ (r & 7)) << 4) + (w & 3) * 4
 
 
 @gluon.jit
-def _cl_st(words, addr, off, delta, bar):
-    """Tile words [32, 32] (WTO_L) into both CTAs' K stage: ``addr + off`` here and in the peer."""
-    zero = gl.full([HALF, 32], 0, gl.int32, WTO_L)
+def _cl_st(words, addr, off, delta, bar, L: gl.constexpr = WTO_L):
+    """Tile words [32, 32] (layout ``L``) into both CTAs' K stage: ``addr + off`` here and in the peer."""
+    zero = gl.full([HALF, 32], 0, gl.int32, L)
     gl.inline_asm_elementwise(_CL_ST2, _CL_ST2_C, [words, addr, zero + off, zero + delta, zero + bar],
                               dtype=gl.int32, is_pure=False, pack=4)
 
@@ -705,6 +714,99 @@ def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, s
     return it
 
 
+@gluon.jit
+def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.constexpr, IS_RANGE: gl.constexpr):
+    """The page loads of one producer warpgroup of ``DUAL`` with ``CLUSTER``: warpgroup W's four
+    of the half-chunk's eight 64-dim tiles (W 0: fp8 tiles 0-3; W 1: fp8 tiles 4-6 and the RoPE,
+    already bf16 pairs), as 32-bit words in WC_L (8 bytes per lane) and the RoPE in WCO_L (16
+    bytes per lane); the scale word and validity."""
+    data, scale, valid = _row_place(gl.convert_layout(x, WC_ROW), gl.convert_layout(j, WC_ROW), start, block_size,
+                                    capacity, stride_blk, IS_RANGE)
+    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
+        gl.arange(0, 16, layout=gl.SliceLayout(0, WC_L)), 0)
+    m = gl.expand_dims(valid, 1)
+    if W == 0:
+        r0 = gl.load(wptr, mask=m, other=0)
+        r1 = gl.load(wptr + 16, mask=m, other=0)
+        r2 = gl.load(wptr + 32, mask=m, other=0)
+        r3 = gl.load(wptr + 48, mask=m, other=0)
+    else:
+        r0 = gl.load(wptr + 64, mask=m, other=0)
+        r1 = gl.load(wptr + 80, mask=m, other=0)
+        r2 = gl.load(wptr + 96, mask=m, other=0)
+        rrow: gl.constexpr = gl.SliceLayout(1, WCO_L)
+        rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
+        r3 = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WCO_L)), 0),
+                     mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
+    sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
+    return r0, r1, r2, r3, sc
+
+
+@gluon.jit
+def _store_cols_cl(r0, r1, r2, r3, sc, addr, st, delta, bar, W: gl.constexpr, DQ_BITS: gl.constexpr):
+    """:func:`_load_cols`' tiles, dequantised, into both CTAs' K stage ``st`` (tiles ``4 W ..``:
+    32 rows x 128 bytes each, 16 KiB per warpgroup and CTA); each store instruction of a warp
+    writes 4 whole rows of a tile."""
+    s = gl.convert_layout(sc, WC_ROW)
+    so = st * (BLOCK_N * HEAD_DIM * 2) + W * (4 * 8192)
+    _cl_st(_dequant_tile(r0, s, 4 * W, DQ_BITS, WCO_L), addr, so, delta, bar, WCO_L)
+    _cl_st(_dequant_tile(r1, s, 4 * W + 1, DQ_BITS, WCO_L), addr, so + 8192, delta, bar, WCO_L)
+    _cl_st(_dequant_tile(r2, s, 4 * W + 2, DQ_BITS, WCO_L), addr, so + 2 * 8192, delta, bar, WCO_L)
+    if W == 0:
+        _cl_st(_dequant_tile(r3, s, 3, DQ_BITS, WCO_L), addr, so + 3 * 8192, delta, bar, WCO_L)
+    else:
+        _cl_st(r3, addr, so + 3 * 8192, delta, bar, WCO_L)
+
+
+@gluon.jit
+def _produce_set_cluster_cols(it, valid_bufs, full, rank, addr, delta, peer_bar, t, split, num_splits,
+                              cache_ptr, stride_blk, block_size, capacity,
+                              idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
+                              start_ptr, W: gl.constexpr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr,
+                              PREFETCH: gl.constexpr, DQ_BITS: gl.constexpr):
+    """:func:`_produce_set_cluster` split by columns between the two producer warpgroups of
+    ``DUAL``: both gather this CTA's rows ``32 * rank ..`` of every chunk, warpgroup W only its
+    four 64-dim tiles (:func:`_load_cols`), and write them into both CTAs' stage; so each CTA's
+    loads and dequantisation per chunk are a quarter of a 64-row stage per warpgroup. Warpgroup 0
+    arms the rfull barrier for the peer's 32 KiB and asks L2 for the next chunk's lines;
+    warpgroup W looks up and stores the validity of rows ``32 W ..`` (this CTA's consumers need
+    all 64). The full barrier counts both warpgroups."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = _n_mine(length, split, num_splits)
+    x = _candidate_entry(t, _half_rows(rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    y = _candidate_entry(t, _half_rows(2 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                         stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    xv = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                          max_blocks, start, req, block_size, IS_RANGE)
+    for i in range(n_mine):
+        r0, r1, r2, r3, sc = _load_cols(cache_ptr, x, _half_rows(2 * i + rank, split, num_splits), start,
+                                        block_size, capacity, stride_blk, W, IS_RANGE)
+        if PREFETCH and W == 0:  # the lines of the next chunk's rows
+            _prefetch_half(cache_ptr, y, _half_rows(2 * i + 2 + rank, split, num_splits), start, block_size,
+                           capacity, stride_blk, IS_RANGE)
+        x = y
+        y = _candidate_entry(t, _half_rows(2 * i + 4 + rank, split, num_splits), idx_ptr, stride_idx, length,
+                             bt_ptr, stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        _b, _o, valid = _candidate_place(xv, _half_rows(2 * i + W, split, num_splits), start, block_size, capacity,
+                                         IS_RANGE)
+        xv = _candidate_entry(t, _half_rows(2 * i + 2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+        st = it % 2
+        if it >= 2:  # both CTAs' consumers are done with the stage's previous chunk
+            _cl_op(_CL_WAIT, 16 + 8 * st, (it // 2 - 1) & 1)
+        if W == 0:
+            _cl_one(_CL_EXPECT, 8 * st, st)
+        _store_cols_cl(r0, r1, r2, r3, sc, addr, st, delta, peer_bar + 8 * st, W, DQ_BITS)
+        valid_bufs.index(st).slice(W * HALF, HALF, dim=0).store(valid.to(gl.int8))
+        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
+        _cta_barrier()  # the partition's stores are done before its one arrive
+        mbarrier.arrive(full.index(st))
+        it += 1
+    return it
+
+
 # bf16 pages: [64 rows, 512] bf16 copied with cp.async, 16 bytes per thread per row, 8 rows per
 # pass of the 4 producer warps.
 KB4_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -764,7 +866,24 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
               DUAL: gl.constexpr, W: gl.constexpr):
-    if DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
+    if DUAL and CLUSTER:  # one of two producer warpgroups of a cluster CTA: 64-dim tiles 4 W .. of its rows
+        peer = 1 - pid_h
+        addr = _cl_tile_addr(pid_h, K_OFF, WCO_L)
+        delta = _cl_op(_CL_DELTA, peer, peer)
+        peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
+        _cl_op(_CL_SYNC, pid_h, pid_h)  # the peer's barriers are initialised before the first remote store
+        it = _produce_set_cluster_cols(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                       a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+                                       a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                                       a_req_ptr, a_start_ptr, W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
+        if HAS_B:
+            _produce_set_cluster_cols(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                                      b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                                      b_req_ptr, b_start_ptr, W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)  # its last remote store is issued
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)  # neither CTA exits before the other is done
+    elif DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
         a_start, a_length, a_req, ax, ay = _rows_start(t, split, num_splits, a_block_size, a_idx_ptr, a_stride_idx,
                                                        a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks,
                                                        a_num_reqs, a_req_ptr, a_start_ptr, W, A_RANGE, A_LEN)
@@ -977,14 +1096,20 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
 
 
 @gluon.jit
-def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-                   qk_scale):
+def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
+                   qk_scale, peer, CLUSTER: gl.constexpr):
     """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``)."""
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
+        if CLUSTER:  # the peer's half of the chunk
+            _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         k_cur = k_bufs.index(st)
-        s = warpgroup_mma(q_smem, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+        if CLUSTER:  # q through an index ptxas cannot prove 0 (see _wg0_loop)
+            q_cur = q_all.index(i >> 30)
+        else:
+            q_cur = q_all.index(0)
+        s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
                           use_acc=False, is_async=True)
         valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
         s = warpgroup_mma_wait(0, deps=[s])
@@ -1004,7 +1129,10 @@ def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bu
         mbarrier.arrive(p_ready.index(st))
         o0, o1, pa = warpgroup_mma_wait(0, deps=[acc0, acc1, pa])
         _cta_barrier()
-        mbarrier.arrive(empty.index(st))
+        if CLUSTER:
+            _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
+        else:
+            mbarrier.arrive(empty.index(st))
     return o0, o1, m_i, l_i
 
 
@@ -1039,8 +1167,8 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     if DUAL:
         o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
         o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
-        o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_smem, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
-                                          full, p_ready, p_free, qk_scale)
+        o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
+                                          full, p_ready, p_free, qk_scale, 1 - pid_h, CLUSTER)
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
         o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
@@ -1075,16 +1203,20 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
               a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
               b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr):
+              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """:func:`_wg1` of ``DUAL``: its half of O (columns 256-511) as two [64, 128] accumulators."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
     o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
     o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
+    if CLUSTER:
+        _cl_op(_CL_SYNC, pid_h, pid_h)
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
+        if CLUSTER:
+            _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
         alpha = gl.expand_dims(a_bufs.index(st).load(ROW_O2), 1)
         o0 = o0 * alpha
@@ -1095,7 +1227,12 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
         o0, o1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
         _cta_barrier()
         mbarrier.arrive(p_free.index(st))
-        mbarrier.arrive(empty.index(st))
+        if CLUSTER:
+            _cl_one(_CL_RELEASE, 16 + 8 * st, 1 - pid_h)
+        else:
+            mbarrier.arrive(empty.index(st))
+    if CLUSTER:  # its last remote arrive is issued
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)
     mbarrier.wait(fin.index(0), 0)
     f = f_smem.load(ROW_O2)
     _store_half_o(o0, f, q_smem.slice(HALF_V, QV, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
@@ -1104,6 +1241,8 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
     _store_half_o(o1, f, q_smem.slice(HALF_V + QV, QV, dim=1), t64, pid_h, split, num_heads, HALF_V + QV, out_ptr,
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16, QV, O2_L,
                   OST2_L)
+    if CLUSTER:  # neither CTA exits while the other may still reach into it
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
 
 
 @gluon.jit
@@ -1210,7 +1349,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                          a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr,
-                         b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16)),
+                         b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,

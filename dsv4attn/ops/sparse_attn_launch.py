@@ -410,7 +410,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
                       A_LEN=a.lengths is not None, B_LEN=b.lengths is not None, WRITE_MAX=max_logits is not None,
                       **extra)
         try:
-            if (ws and a.is_fp8 and cfg.sm90_cluster and not dual and _cdiv(num_heads, cfg.block_h) == 2
+            if (ws and a.is_fp8 and cfg.sm90_cluster and _cdiv(num_heads, cfg.block_h) == 2
                     and not _cluster_failures and _launch_cluster(kernel, warps, (num_tokens, cfg.num_splits), args,
                                                                   consts)):
                 return
