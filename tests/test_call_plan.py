@@ -210,6 +210,31 @@ def test_planned_op_launches_what_the_checked_path_launches(case, stand_ins, cou
     _planned_equals_checked(make, run, stand_ins, counter)
 
 
+def test_cluster_launches_are_kept_and_planned(stand_ins, counter, monkeypatch, request, device):
+    """h128 on fp8 pages with ``sm90_cluster``: the first launch of a specialisation builds the
+    two-CTA cluster kernel (``_cluster_kernel``, stood in for here) and launches it on (tokens,
+    splits) clusters; every later call, planned or not, relaunches the kept kernel on the same
+    grid, and a planned call launches what the checked path launches."""
+    if request.node.callspec.params["stand_ins"] == "portable":
+        pytest.skip("the cluster is an sm90 kernel")
+    pick = sl.kernel_config
+    monkeypatch.setattr(sl, "kernel_config", lambda *a, **k: dataclasses.replace(pick(*a, **k), sm90_cluster=True))
+    sl._cached_config.cache_clear()
+    builds: list = []
+
+    def build(kernel, warps, grid, args, consts):
+        builds.append((grid, consts["DUAL"]))
+        return _Compiled(stand_ins, stand_ins.is_direct, stand_ins.direct)
+
+    monkeypatch.setattr(sl, "_cluster_kernel", build)
+    make, run = _op_case("h128-split", device)
+    _planned_equals_checked(make, run, stand_ins, counter)
+    assert not sl._cluster_failures
+    assert builds == [((5, 3), True)]  # one specialisation, built once, two producers (the default)
+    attention = [grid for grid, args in stand_ins if len(args) > 40]  # not the combine kernel
+    assert attention and all(grid == (5, 3, 1) for grid in attention)
+
+
 FLASHMLA_CASES = ["kvcache-two-caches", "kvcache-mtp-lengths", "kvcache-fp8-dtype-out", "kvcache-head-dim-v",
                   "sparse-fwd", "sparse-fwd-dv-out"]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,15 +107,24 @@ def bound_tail(fn, num_args: int, consts: dict) -> tuple:
     return tuple(consts[n] if n in consts else d for n, d in _params(fn.fn)[num_args:])
 
 
-def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+def _launch_usual(fn, grid: tuple, args: tuple, kwargs: dict, usual: Callable[[], Any] | None) -> Any:
+    """One launch the usual way (``usual``, else Triton's binding launch); the compiled kernel."""
+    return fn[grid](*args, **kwargs) if usual is None else usual()
+
+
+def launch(fn, grid: tuple, args: tuple, kwargs: dict, usual: Callable[[], Any] | None = None) -> None:
     """``fn[grid](*args, **kwargs)``; after the first launch of a specialisation, the compiled
     kernel is launched directly. ``args``: the kernel's leading parameters, positional;
     ``kwargs``: constexprs and the launch options (``num_warps``, ``num_stages``). A call plan
-    being recorded (:mod:`dsv4attn.ops.call_plan`) is told of each launch."""
+    being recorded (:mod:`dsv4attn.ops.call_plan`) is told of each launch.
+
+    ``usual``: where ``fn[grid](...)`` is not how this kernel is launched (the two-CTA cluster,
+    whose compiled kernel gets launch metadata of its own), what launches it instead, returning
+    the compiled kernel; that kernel is then kept and relaunched on ``grid`` like any other."""
     first = args[0] if args else None
     if not ENABLED or not isinstance(first, torch.Tensor) or first.device.type not in DEVICE_TYPES:
         call_plan.not_plannable()
-        fn[grid](*args, **kwargs)
+        _launch_usual(fn, grid, args, kwargs, usual)
         return
     try:
         # Triton compiles for the current device (not the tensors'), so that is the one keyed.
@@ -122,10 +132,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         hit = _entries.get(key)  # the key's one hash on a relaunch
     except TypeError:  # an argument the key does not cover: the usual path
         call_plan.not_plannable()
-        fn[grid](*args, **kwargs)
+        _launch_usual(fn, grid, args, kwargs, usual)
         return
     if hit is None:
-        compiled = fn[grid](*args, **kwargs)
+        compiled = _launch_usual(fn, grid, args, kwargs, usual)
         if hasattr(compiled, "result"):
             call_plan.not_plannable()
             return  # still compiling (a future): kept once a later launch returns the kernel
@@ -149,7 +159,7 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     if hit is _USUAL:
         call_plan.not_plannable()
-        fn[grid](*args, **kwargs)
+        _launch_usual(fn, grid, args, kwargs, usual)
         return
     compiled, tail = hit
     if call_plan.active():

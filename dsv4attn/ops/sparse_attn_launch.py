@@ -453,14 +453,20 @@ def _launch_cluster(kernel, warps: int, grid: tuple, args: tuple, consts: dict) 
     pairs, with the usual program ids) and 32 more bytes of dynamic shared memory for the
     cluster barriers. The K stages' offset, which the kernel's inline PTX needs, is read from the
     compiled kernel (the shared-memory allocation pass run on its TTGIR); the kernel is
-    recompiled if it differs. Returns False (after one warning) where this cannot be done: the
-    caller then launches the kernel without the cluster, which raises again if the arguments
-    were at fault."""
-    call_plan.not_plannable()  # launched here, not through the launch cache
-    try:
+    recompiled if it differs. The first launch of a specialisation does that; the launch cache
+    keeps the compiled kernel (K_OFF is one of its constexprs, so a moved offset is a new key)
+    and relaunches it directly, in call plans too. Returns False (after one warning) where this
+    cannot be done: the caller then launches the kernel without the cluster, which raises again
+    if the arguments were at fault."""
+    kw = dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])
+
+    def build_and_launch():
         ck = _cluster_kernel(kernel, warps, grid, args, consts)
-        ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True,
-                                                                    K_OFF=_cluster_k_off[0])))
+        ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])))
+        return ck
+
+    try:
+        launch_cache.launch(kernel, grid, args, dict(kw, num_warps=warps, num_stages=1), usual=build_and_launch)
     except Exception as e:  # noqa: BLE001 - any failure here falls back to one CTA per tile
         _cluster_failures.append(f"{type(e).__name__}: {str(e)[:200]}")
         call_plan.clear()
