@@ -306,7 +306,6 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
 # row's tile, 4 lanes a row, 8 rows per warp; dequantised, [32, 32] words, 32 bytes per lane.
 WT_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0]))
 WTO_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
-WT_ROW = gl.constexpr(gl.SliceLayout(1, WT_L))
 # The cluster's two producers (``DUAL`` with ``CLUSTER``): a lane holds 8 fp8 bytes of one row's
 # tile, 8 lanes a row, 4 rows per warp; dequantised, [32, 32] words with one 16-byte chunk per
 # lane, so that one store instruction of a warp writes 4 whole 128-byte rows of a K stage
@@ -333,10 +332,7 @@ def _stage_words(k_bufs, st):
 def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RANGE: gl.constexpr):
     """:func:`_load_half` as 32-bit words: the 7 fp8 tiles [32, 16] int32 each, RoPE [32, 32]
     int32 (bf16 pairs), the scale word, validity."""
-    data, scale, valid = _row_place(gl.convert_layout(x, WT_ROW), gl.convert_layout(j, WT_ROW), start, block_size,
-                                    capacity, stride_blk, IS_RANGE)
-    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
-        gl.arange(0, 16, layout=gl.SliceLayout(0, WT_L)), 0)
+    wptr, data, scale, valid = _tile_words(cache_ptr, x, j, start, block_size, capacity, stride_blk, WT_L, IS_RANGE)
     m = gl.expand_dims(valid, 1)
     r0 = gl.load(wptr, mask=m, other=0)
     r1 = gl.load(wptr + 16, mask=m, other=0)
@@ -345,12 +341,32 @@ def _load_tiles(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_RAN
     r4 = gl.load(wptr + 64, mask=m, other=0)
     r5 = gl.load(wptr + 80, mask=m, other=0)
     r6 = gl.load(wptr + 96, mask=m, other=0)
-    rrow: gl.constexpr = gl.SliceLayout(1, WTO_L)
-    rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
-    rope = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WTO_L)), 0),
-                   mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
+    rope = _rope_words(cache_ptr, data, valid, WTO_L)
     sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return r0, r1, r2, r3, r4, r5, r6, rope, sc, valid
+
+
+@gluon.jit
+def _tile_words(cache_ptr, x, j, start, block_size, capacity, stride_blk, L: gl.constexpr, IS_RANGE: gl.constexpr):
+    """The half-chunk's rows placed in the cache (:func:`_row_place`, one row per ``L`` row):
+    [32, 16] int32 pointers to fp8 tile 0 of each row (layout ``L``; tile T is ``+ 16 T``),
+    the rows' byte offsets, their scale words' offsets and validity."""
+    row: gl.constexpr = gl.SliceLayout(1, L)
+    data, scale, valid = _row_place(gl.convert_layout(x, row), gl.convert_layout(j, row), start, block_size,
+                                    capacity, stride_blk, IS_RANGE)
+    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
+        gl.arange(0, 16, layout=gl.SliceLayout(0, L)), 0)
+    return wptr, data, scale, valid
+
+
+@gluon.jit
+def _rope_words(cache_ptr, data, valid, L: gl.constexpr):
+    """The rows' RoPE parts (64 bf16 after the NoPE bytes) as [32, 32] int32 in layout ``L``,
+    zero for invalid rows."""
+    rrow: gl.constexpr = gl.SliceLayout(1, L)
+    rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
+    return gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L)), 0),
+                   mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
 
 
 @gluon.jit
@@ -720,10 +736,7 @@ def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.c
     of the half-chunk's eight 64-dim tiles (W 0: fp8 tiles 0-3; W 1: fp8 tiles 4-6 and the RoPE,
     already bf16 pairs), as 32-bit words in WC_L (8 bytes per lane) and the RoPE in WCO_L (16
     bytes per lane); the scale word and validity."""
-    data, scale, valid = _row_place(gl.convert_layout(x, WC_ROW), gl.convert_layout(j, WC_ROW), start, block_size,
-                                    capacity, stride_blk, IS_RANGE)
-    wptr = gl.expand_dims((cache_ptr + data).to(gl.pointer_type(gl.int32)), 1) + gl.expand_dims(
-        gl.arange(0, 16, layout=gl.SliceLayout(0, WC_L)), 0)
+    wptr, data, scale, valid = _tile_words(cache_ptr, x, j, start, block_size, capacity, stride_blk, WC_L, IS_RANGE)
     m = gl.expand_dims(valid, 1)
     if W == 0:
         r0 = gl.load(wptr, mask=m, other=0)
@@ -734,10 +747,7 @@ def _load_cols(cache_ptr, x, j, start, block_size, capacity, stride_blk, W: gl.c
         r0 = gl.load(wptr + 64, mask=m, other=0)
         r1 = gl.load(wptr + 80, mask=m, other=0)
         r2 = gl.load(wptr + 96, mask=m, other=0)
-        rrow: gl.constexpr = gl.SliceLayout(1, WCO_L)
-        rptr = (cache_ptr + gl.convert_layout(data, rrow) + NOPE).to(gl.pointer_type(gl.int32))
-        r3 = gl.load(gl.expand_dims(rptr, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WCO_L)), 0),
-                     mask=gl.expand_dims(gl.convert_layout(valid, rrow), 1), other=0)
+        r3 = _rope_words(cache_ptr, data, valid, WCO_L)
     sc = gl.load((cache_ptr + scale).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
     return r0, r1, r2, r3, sc
 
