@@ -671,6 +671,21 @@ def _store_tiles_cl(r0, r1, r2, r3, r4, r5, r6, rope, sc, addr, st, delta, bar, 
 
 
 @gluon.jit
+def _cluster_halves(t, rank, split, num_splits, idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks,
+                    num_reqs, req_ptr, start_ptr, block_size, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+    """A cluster producer's start: the set's extent for token ``t``, this split's chunk count, and
+    the entries of this CTA's first two half-chunks (rows ``32 * rank ..`` of chunks 0 and 1)."""
+    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
+                                 HAS_LEN)
+    n_mine = _n_mine(length, split, num_splits)
+    x = _candidate_entry(t, _half_rows(rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
+                         max_blocks, start, req, block_size, IS_RANGE)
+    y = _candidate_entry(t, _half_rows(2 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
+                         stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    return start, length, req, n_mine, x, y
+
+
+@gluon.jit
 def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, split, num_splits,
                          cache_ptr, stride_blk, block_size, capacity,
                          idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
@@ -683,13 +698,9 @@ def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, s
     one chunk further; the lines after that asked of L2), then the producer waits until the four
     consumer warpgroups of both CTAs freed the stage, arms its rfull barrier for the peer's 32 KiB,
     stores, and arrives on its full barrier."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
-    n_mine = _n_mine(length, split, num_splits)
-    x = _candidate_entry(t, _half_rows(rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                         max_blocks, start, req, block_size, IS_RANGE)
-    y = _candidate_entry(t, _half_rows(2 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                         stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    start, length, req, n_mine, x, y = _cluster_halves(t, rank, split, num_splits, idx_ptr, stride_idx, width, len_ptr,
+                                                       bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                                                       block_size, IS_RANGE, HAS_LEN)
     xv = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
     lead: gl.constexpr = 2 if AHEAD else 0  # half-chunks between a load and its store
@@ -781,13 +792,9 @@ def _produce_set_cluster_cols(it, valid_bufs, full, rank, addr, delta, peer_bar,
     arms the rfull barrier for the peer's 32 KiB and asks L2 for the next chunk's lines;
     warpgroup W looks up and stores the validity of rows ``32 W ..`` (this CTA's consumers need
     all 64). The full barrier counts both warpgroups."""
-    start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
-                                 HAS_LEN)
-    n_mine = _n_mine(length, split, num_splits)
-    x = _candidate_entry(t, _half_rows(rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
-                         max_blocks, start, req, block_size, IS_RANGE)
-    y = _candidate_entry(t, _half_rows(2 + rank, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
-                         stride_bt, max_blocks, start, req, block_size, IS_RANGE)
+    start, length, req, n_mine, x, y = _cluster_halves(t, rank, split, num_splits, idx_ptr, stride_idx, width, len_ptr,
+                                                       bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr, start_ptr,
+                                                       block_size, IS_RANGE, HAS_LEN)
     xv = _candidate_entry(t, _half_rows(W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                           max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
