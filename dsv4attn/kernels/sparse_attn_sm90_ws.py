@@ -883,23 +883,35 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
               DUAL: gl.constexpr, W: gl.constexpr):
-    if DUAL and CLUSTER:  # one of two producer warpgroups of a cluster CTA: 64-dim tiles 4 W .. of its rows
+    if CLUSTER:  # a cluster CTA: rows 32 * pid_h .. of every chunk, into both CTAs' stages
         peer = 1 - pid_h
-        addr = _cl_tile_addr(pid_h, K_OFF, WCO_L)
+        addr = _cl_tile_addr(pid_h, K_OFF, WCO_L if DUAL else WTO_L)
         delta = _cl_op(_CL_DELTA, peer, peer)
         peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
         _cl_op(_CL_SYNC, pid_h, pid_h)  # the peer's barriers are initialised before the first remote store
-        it = _produce_set_cluster_cols(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
-                                       a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                       a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                                       a_req_ptr, a_start_ptr, W, A_RANGE, A_LEN, PREFETCH, DQ_BITS)
-        if HAS_B:
-            _produce_set_cluster_cols(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
-                                      b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                                      b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                                      b_req_ptr, b_start_ptr, W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
-        _cl_op(_CL_ARRIVE, pid_h, pid_h)  # its last remote store is issued
-        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)  # neither CTA exits before the other is done
+        if DUAL:  # one of two producer warpgroups: 64-dim tiles 4 W .. of those rows
+            it = _produce_set_cluster_cols(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split,
+                                           num_splits, a_cache_ptr, a_stride_blk, a_block_size, a_capacity,
+                                           a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt,
+                                           a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr, W, A_RANGE, A_LEN,
+                                           PREFETCH, DQ_BITS)
+            if HAS_B:
+                _produce_set_cluster_cols(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                          b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr,
+                                          b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks,
+                                          b_num_reqs, b_req_ptr, b_start_ptr, W, B_RANGE, B_LEN, PREFETCH, DQ_BITS)
+        else:
+            it = _produce_set_cluster(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                      a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
+                                      a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
+                                      a_req_ptr, a_start_ptr, A_RANGE, A_LEN, PREFETCH, DQ_BITS, PIPE)
+            if HAS_B:
+                _produce_set_cluster(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
+                                     b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
+                                     b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                                     b_req_ptr, b_start_ptr, B_RANGE, B_LEN, PREFETCH, DQ_BITS, PIPE)
+        _cl_op(_CL_ARRIVE, pid_h, pid_h)  # its last remote store is issued (release: it is done before the peer
+        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)  # leaves the barrier); neither CTA exits before the other is done
     elif DUAL:  # one of two producer warpgroups: rows 32 W .. of every chunk
         a_start, a_length, a_req, ax, ay = _rows_start(t, split, num_splits, a_block_size, a_idx_ptr, a_stride_idx,
                                                        a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks,
@@ -918,23 +930,6 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
                               b_bt_ptr, b_stride_bt, b_max_blocks, b_start, b_length, b_req, bx, by,
                               W, B_RANGE, PREFETCH, DQ_BITS)
-    elif CLUSTER:
-        peer = 1 - pid_h
-        addr = _cl_tile_addr(pid_h, K_OFF)
-        delta = _cl_op(_CL_DELTA, peer, peer)
-        peer_bar = _cl_op(_CL_PEER_BAR, peer, peer)
-        _cl_op(_CL_SYNC, pid_h, pid_h)  # the peer's barriers are initialised before the first remote store
-        it = _produce_set_cluster(t * 0, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
-                                  a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx,
-                                  a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs, a_req_ptr,
-                                  a_start_ptr, A_RANGE, A_LEN, PREFETCH, DQ_BITS, PIPE)
-        if HAS_B:
-            _produce_set_cluster(it, valid_bufs, full, pid_h, addr, delta, peer_bar, t, split, num_splits,
-                                 b_cache_ptr, b_stride_blk, b_block_size, b_capacity, b_idx_ptr, b_stride_idx,
-                                 b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs, b_req_ptr,
-                                 b_start_ptr, B_RANGE, B_LEN, PREFETCH, DQ_BITS, PIPE)
-        _cl_op(_CL_ARRIVE, pid_h, pid_h)  # its last remote store is issued (release: it is done before the peer
-        _cl_op(_CL_WAIT_ALL, pid_h, pid_h)  # leaves the barrier); neither CTA exits before the other is done
     elif PAGES_BF16:
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
