@@ -85,6 +85,8 @@ class KernelConfig:
     #: of two CTAs in the warp-specialised kernel: each CTA's producer gathers and dequantises
     #: half of every chunk and writes it into both CTAs' K stages (``st.async``), so each row is
     #: read and dequantised once per token instead of twice (docs/design.md, "Attention kernel").
+    #: Off by default until its tests have all run on a GPU (4.5-4.8% faster at h128 on an H100,
+    #: docs/benchmarks.md, Table 77).
     sm90_cluster: bool = False
     #: On fp8 pages with the loads ahead (``sm90_pipe_min_chunks``), the producer walks both
     #: candidate sets (when of one form) as one sequence of half-chunks, so that set B's lookups
@@ -94,8 +96,9 @@ class KernelConfig:
     #: loading and dequantising half of every chunk, instead of one that does all of it: twice the
     #: warps to hide the gathers' latency behind each other's dequantisation. Each consumer's half
     #: of O is then two 64 x 128 accumulators (a 16-warp kernel cannot hold a 64 x 256 one), and
-    #: the producers' loads are never carried ahead: ``sm90_pipe_min_chunks``, ``sm90_merge_sets``
-    #: and ``sm90_cluster`` apply to the one-producer kernel (False) only. Bit-identical to it,
+    #: the producers' loads are never carried ahead: ``sm90_pipe_min_chunks`` and
+    #: ``sm90_merge_sets`` apply to the one-producer kernel (False) only. With ``sm90_cluster`` the
+    #: two producers of each CTA split its half of every chunk by 64-dim tiles. Bit-identical to it,
     #: 3-5% faster on the decode rows on an H100 (docs/benchmarks.md, Tables 53-54), and the
     #: attention suites pass with it in every dispatch: the default.
     sm90_dual_producer: bool = True
