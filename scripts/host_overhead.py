@@ -83,7 +83,7 @@ def stub_kernels(planned: bool = False) -> None:
     from dsv4attn.ops import call_plan, launch_cache
     from dsv4attn.testing.stand_ins import replace_attention_kernels
 
-    replace_attention_kernels(_NoLaunch, sm90=planned)
+    replace_attention_kernels(_NoLaunch, sm90=planned, compiled=_NoLaunchCompiled)
     if not planned:
         return
     launch_cache.DEVICE_TYPES = ("cpu", "cuda")

@@ -96,7 +96,8 @@ def stand_ins(request, monkeypatch):
         monkeypatch.setattr(call_plan, "_stream_source", lambda: ((lambda device: _STREAM + device), 0))
         monkeypatch.setattr(call_plan, "DIRECT", True)
     replace_attention_kernels(lambda real: _StandIn(real, log, direct, log.direct),
-                              sm90=request.param.startswith("sm90"), set_attr=monkeypatch.setattr)
+                              sm90=request.param.startswith("sm90"), set_attr=monkeypatch.setattr,
+                              compiled=lambda: _Compiled(log, direct, log.direct))
     yield log
     sl._cached_config.cache_clear()
 

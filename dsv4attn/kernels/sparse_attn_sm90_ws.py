@@ -30,7 +30,7 @@ Invalid candidates are never dereferenced (masked loads; prefetches of invalid c
 for the cache's first line) and get -inf logits from the per-chunk validity vector, as in every
 kernel of the library.
 
-With ``CLUSTER`` (65-128 heads, fp8 pages; ``KernelConfig.sm90_cluster``, off by default) a
+With ``CLUSTER`` (65-128 heads, fp8 pages; ``KernelConfig.sm90_cluster``, the default) a
 token's two head tiles run as one cluster of two CTAs whose producers each dequantise half of
 every chunk into both CTAs' K stages (:func:`_produce_set_cluster`; inline PTX, see the comment
 above :data:`_CL_BASE`).
@@ -559,8 +559,8 @@ def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
         mbarrier.arrive(full.index(st))
 
 
-# h128 decode in clusters of two CTAs (``CLUSTER``, off by default: slower on the H100, see
-# docs/benchmarks.md, Table 52): the two 64-head tiles of a token run in one cluster; each CTA's
+# h128 decode in clusters of two CTAs (``CLUSTER``; with one producer slower than two CTAs on the
+# H100, docs/benchmarks.md Table 52, with two 4.5-4.8% faster, Table 77): the two 64-head tiles of a token run in one cluster; each CTA's
 # producer gathers and dequantises half of every chunk (rows 32 * rank ..) and writes each 16 bytes
 # into its own K stage and, with ``st.async``, into the peer's, completing on the peer's ``rfull``
 # barrier; a stage is free once the consumer warpgroups of both CTAs released it (``xempty``: each
