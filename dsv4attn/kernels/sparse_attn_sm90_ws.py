@@ -560,15 +560,16 @@ def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
 
 
 # h128 decode in clusters of two CTAs (``CLUSTER``; with one producer slower than two CTAs on the
-# H100, docs/benchmarks.md Table 52, with two 4.5-4.8% faster, Table 77): the two 64-head tiles of a token run in one cluster; each CTA's
-# producer gathers and dequantises half of every chunk (rows 32 * rank ..) and writes each 16 bytes
-# into its own K stage and, with ``st.async``, into the peer's, completing on the peer's ``rfull``
-# barrier; a stage is free once the consumer warpgroups of both CTAs released it (``xempty``: each
-# consumer warpgroup arrives on its own CTA's and on the peer's). Triton 3.6's Gluon has no cluster stores,
-# barriers or shared-memory addresses, so these are inline PTX: the four cluster barriers live
-# in 32 bytes that the launcher appends to the dynamic shared memory (``global_smem +
-# %dynamic_smem_size - 32``: rfull[0], rfull[1], xempty[0], xempty[1]), and the K stages' offset
-# in ``global_smem`` (``K_OFF``) is read by the launcher from the compiled kernel.
+# H100, docs/benchmarks.md Table 52, with two producers 4.5-4.8% faster, Table 77): the two
+# 64-head tiles of a token run in one cluster; each CTA's producers gather and dequantise half of
+# every chunk (rows 32 * rank ..) and write it into their own K stage and, with ``st.async``, into
+# the peer's, completing on the peer's ``rfull`` barrier; a stage is free once the consumer
+# warpgroups of both CTAs released it (``xempty``: each consumer warpgroup arrives on its own
+# CTA's and on the peer's). Triton 3.6's Gluon has no cluster stores, barriers or shared-memory
+# addresses, so these are inline PTX: the four cluster barriers live in 32 bytes that the
+# launcher appends to the dynamic shared memory (``global_smem + %dynamic_smem_size - 32``:
+# rfull[0], rfull[1], xempty[0], xempty[1]), and the K stages' offset in ``global_smem``
+# (``K_OFF``) is read by the launcher from the compiled kernel.
 _CL_BASE = ("mov.u32 b, global_smem; mov.u32 d, %dynamic_smem_size; add.u32 b, b, d; sub.u32 b, b, 32; ")
 #: One thread of the partition: predicate p from operand $1, the thread's element of
 #: :func:`_cl_one` (reading %tid.x in inline PTX made ptxas spill warpgroup 0's loop, Triton 3.6).
