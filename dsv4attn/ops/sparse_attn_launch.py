@@ -85,8 +85,9 @@ class KernelConfig:
     #: of two CTAs in the warp-specialised kernel: each CTA's producer gathers and dequantises
     #: half of every chunk and writes it into both CTAs' K stages (``st.async``), so each row is
     #: read and dequantised once per token instead of twice (docs/design.md, "Attention kernel").
-    #: 4.5-4.8% faster at h128 than two separate CTAs on an H100 (docs/benchmarks.md, Table 77)
-    #: and bit-identical to them: the default. False: two CTAs per token, each gathering every row.
+    #: Bit-identical to two separate CTAs and 3-7% faster than them at h128 on an H100, where the
+    #: attention suites pass with it (docs/benchmarks.md, Tables 77-78): the default. False: two
+    #: CTAs per token, each gathering every row.
     sm90_cluster: bool = True
     #: On fp8 pages with the loads ahead (``sm90_pipe_min_chunks``), the producer walks both
     #: candidate sets (when of one form) as one sequence of half-chunks, so that set B's lookups

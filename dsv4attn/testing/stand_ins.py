@@ -11,8 +11,8 @@ from typing import Any
 
 
 def replace_attention_kernels(wrap: Callable[[Any], Any], sm90: bool = False,
-                              set_attr: Callable[[Any, str, Any], None] = setattr,
-                              compiled: Callable[[], Any] | None = None) -> None:
+                              set_attr: Callable[[Any, str, Any], None] = setattr, *,
+                              compiled: Callable[[], Any]) -> None:
     """Replace the portable attention kernels (decode, combine, prefill) by ``wrap(kernel)``.
     With ``sm90``, dispatch also answers that the sm90 kernels are available and takes
     ``wrap`` of each (the stand-ins keep the real parameter lists, which the launch cache reads),
@@ -32,8 +32,5 @@ def replace_attention_kernels(wrap: Callable[[Any], Any], sm90: bool = False,
         stand = {ws: (wrap(kern), warps) for ws, (kern, warps) in real.items()}
         set_attr(sl, "sm90_kernel_available", lambda dev: True)
         set_attr(sl, "_sm90_kernel", lambda ws, qreg=False: stand[ws])
-        if compiled is None:
-            raise TypeError("replace_attention_kernels: sm90 stand-ins need `compiled` (the cluster kernel's)")
-        build = compiled
-        set_attr(sl, "_cluster_kernel", lambda kernel, warps, grid, args, consts: build())
+        set_attr(sl, "_cluster_kernel", lambda kernel, warps, grid, args, consts: compiled())
     sl._cached_config.cache_clear()
