@@ -35,11 +35,13 @@ CASES = ((64, 64), (64, 256), (64, 1024), (128, 64), (128, 256), (128, 1024))
 SKIP_CASES = ((64, 256),)
 VARIANTS = [
     ("default", {}),
-    ("ws, one producer", dict(sm90_dual_producer=False)),
-    ("ws, one producer, merged", dict(sm90_dual_producer=False, sm90_merge_sets=True)),
-    ("ws, one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
-    ("ws, h128 cluster", dict(sm90_dual_producer=False, sm90_cluster=True)),
-    ("ws, h128 cluster, not ahead", dict(sm90_dual_producer=False, sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
+    ("ws, h128 as two CTAs", dict(sm90_cluster=False)),
+    ("ws, one producer", dict(sm90_dual_producer=False, sm90_cluster=False)),
+    ("ws, one producer, merged", dict(sm90_dual_producer=False, sm90_merge_sets=True, sm90_cluster=False)),
+    ("ws, one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9, sm90_cluster=False)),
+    ("ws, h128 cluster, one producer", dict(sm90_dual_producer=False, sm90_cluster=True)),
+    ("ws, h128 cluster, one producer, not ahead",
+     dict(sm90_dual_producer=False, sm90_cluster=True, sm90_pipe_min_chunks=10**9)),
     ("ws, fp32-chain dequant", dict(sm90_dequant_bits=False)),
     ("sm90 single-partition", dict(sm90_ws=False)),
     ("ws without L2 prefetch", dict(sm90_l2_prefetch=False)),
@@ -153,12 +155,14 @@ def decode_sweep() -> None:
         sink = torch.randn(h, device="cuda", generator=gen)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, device="cuda")
-        labels = [("default", {}), ("one producer", dict(sm90_dual_producer=False))]
+        one = dict(sm90_dual_producer=False, sm90_cluster=False)
+        labels = [("default", {}), ("one producer", one)]
         if not h128_only:
-            labels += [("one producer, not ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=10**9)),
-                       ("one producer, ahead", dict(sm90_dual_producer=False, sm90_pipe_min_chunks=0))]
+            labels += [("one producer, not ahead", dict(one, sm90_pipe_min_chunks=10**9)),
+                       ("one producer, ahead", dict(one, sm90_pipe_min_chunks=0))]
         if h == 128:
-            labels += [("cluster", dict(sm90_dual_producer=False, sm90_cluster=True))]
+            labels += [("two CTAs", dict(sm90_cluster=False)),
+                       ("one-producer cluster", dict(sm90_dual_producer=False, sm90_cluster=True))]
         res: dict = {lab: [] for lab, _ in labels}
         for k in ((448, 960, 1984) if h128_only else (64, 192, 448, 960, 1984)):
             sets = []
