@@ -175,6 +175,15 @@ def _store_half(raw, rope, sc, valid, k_half, valid_half, DQ_BITS: gl.constexpr)
 
 
 @gluon.jit
+def _hand_over(full, st):
+    """A producer's end of stage ``st``: its generic-proxy stores (or ``cp.async`` copies) fenced
+    before the consumers' wgmma reads, every thread of the partition done, then its one arrive."""
+    fence_async_shared()
+    _cta_barrier()
+    mbarrier.arrive(full.index(st))
+
+
+@gluon.jit
 def _set_start(t, split, num_splits, block_size, idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks,
                num_reqs, req_ptr, start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
     """A producer's start on one candidate set: the set's extent for token ``t``, this split's
@@ -230,9 +239,7 @@ def _produce_set(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         valid_buf = valid_bufs.index(st)
         _store_half(raw0, rope0, sc0, v0, k_buf.slice(0, HALF, dim=0), valid_buf.slice(0, HALF, dim=0), DQ_BITS)
         _store_half(raw1, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0), valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
     return it
 
@@ -292,9 +299,7 @@ def _produce_set_rows(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         _store_half(raw, rope, sc, v, k_bufs.index(st).slice(W * HALF, HALF, dim=0),
                     valid_bufs.index(st).slice(W * HALF, HALF, dim=0), DQ_BITS)
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
     return it
 
@@ -456,9 +461,7 @@ def _produce_set_pipe(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
                      valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
     return it
 
@@ -554,9 +557,7 @@ def _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
         y1 = _g_entry(t, h + 5, n_a, split, num_splits, sa, sb, IS_RANGE)
         _store_tiles(b0, b1, b2, b3, b4, b5, b6, rope1, sc1, v1, k_buf.slice(HALF, HALF, dim=0),
                      valid_buf.slice(HALF, HALF, dim=0), DQ_BITS)
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
 
 
 # h128 decode in clusters of two CTAs (``CLUSTER``; with one producer slower than two CTAs on the
@@ -633,6 +634,14 @@ def _cl_one(asm: gl.constexpr, a, b):
     """A cluster PTX helper that one thread of the 4-warp partition runs (operands $2, $3)."""
     lanes = gl.arange(0, 128, layout=LANES_L)
     gl.inline_asm_elementwise(asm, "=r,r,r,r", [lanes, a, b], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _cl_wait_free(it, st):
+    """Wait until the four consumer warpgroups of both CTAs released stage ``st`` of this CTA's
+    chunk ``it - 2`` (the first two chunks find their stages free)."""
+    if it >= 2:
+        _cl_op(_CL_WAIT, 16 + 8 * st, (it // 2 - 1) & 1)
 
 
 @gluon.jit
@@ -728,14 +737,11 @@ def _produce_set_cluster(it, valid_bufs, full, rank, addr, delta, peer_bar, t, s
         xv = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         st = it % 2
-        if it >= 2:  # both CTAs' consumers are done with the stage's previous chunk
-            _cl_op(_CL_WAIT, 16 + 8 * st, (it // 2 - 1) & 1)
+        _cl_wait_free(it, st)
         _cl_one(_CL_EXPECT, 8 * st, st)
         _store_tiles_cl(a0, a1, a2, a3, a4, a5, a6, rope, sc, addr, st, delta, peer_bar + 8 * st, DQ_BITS)
         valid_bufs.index(st).store(valid.to(gl.int8))
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
         if AHEAD:
             a0, a1, a2, a3, a4, a5, a6, rope, sc = b0, b1, b2, b3, b4, b5, b6, rope_b, sc_b
@@ -812,15 +818,12 @@ def _produce_set_cluster_cols(it, valid_bufs, full, rank, addr, delta, peer_bar,
         xv = _candidate_entry(t, _half_rows(2 * i + 2 + W, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                               stride_bt, max_blocks, start, req, block_size, IS_RANGE)
         st = it % 2
-        if it >= 2:  # both CTAs' consumers are done with the stage's previous chunk
-            _cl_op(_CL_WAIT, 16 + 8 * st, (it // 2 - 1) & 1)
+        _cl_wait_free(it, st)
         if W == 0:
             _cl_one(_CL_EXPECT, 8 * st, st)
         _store_cols_cl(r0, r1, r2, r3, sc, addr, st, delta, peer_bar + 8 * st, W, DQ_BITS)
         valid_bufs.index(st).slice(W * HALF, HALF, dim=0).store(valid.to(gl.int8))
-        fence_async_shared()  # the generic-proxy stores, before the consumers' wgmma reads
-        _cta_barrier()  # the partition's stores are done before its one arrive
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
     return it
 
@@ -865,9 +868,7 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         cp.commit_group()
         valid_bufs.index(st).store(valid.to(gl.int8))
         cp.wait_group(0)
-        fence_async_shared()  # the copies (generic proxy), before the consumers' wgmma reads
-        _cta_barrier()
-        mbarrier.arrive(full.index(st))
+        _hand_over(full, st)
         it += 1
     return it
 
