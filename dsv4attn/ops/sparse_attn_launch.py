@@ -465,7 +465,7 @@ def _launch_cluster(kernel, warps: int, grid: tuple, args: tuple, consts: dict) 
     kw = dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])
 
     def build_and_launch():
-        ck = _cluster_kernel(kernel, warps, grid, args, consts)
+        ck = _cluster_kernel(kernel, warps, grid, args, consts)  # may move _cluster_k_off: bind after it
         ck[(grid[0], grid[1], 1)](*_bound_values(kernel, args, dict(consts, CLUSTER=True, K_OFF=_cluster_k_off[0])))
         return ck
 
