@@ -204,6 +204,25 @@ def test_sm90_dual_producer_is_bit_identical(case):
                                           "dual": dict(sm90_dual_producer=True)})
 
 
+# Every case above once: fp8 and bf16 pages, one tile and the cluster's two, splits, holes.
+Q_AHEAD_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES}.values())
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", Q_AHEAD_CASES, ids=[c[0] for c in Q_AHEAD_CASES])
+def test_sm90_q_ahead_is_bit_identical(case, monkeypatch):
+    """Warpgroup 0's L2 prefetch of a later program's q (``sm90_q_ahead``) is a hint: out and lse
+    are bit-identical with it on and off, and match the fp64 oracle. These grids are smaller than
+    the SM count, so with the real distance no program has one to prefetch; with a distance of
+    one program every program but the last prefetches its successor's q."""
+    from dsv4attn.ops import sparse_attn_launch as sl
+
+    variants = {"off": dict(sm90_q_ahead=False), "on": dict(sm90_q_ahead=True)}
+    _assert_variants_bit_identical(case, variants)
+    monkeypatch.setattr(sl, "sm_count", lambda device: 1)
+    _assert_variants_bit_identical(case, variants)
+
+
 # Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
 # a set of holes only, fewer chunks than K stages, both set forms, odd chunk counts per split).
 QREG_CASES = [c for c in CASES if not c[3][0].fp8] + [

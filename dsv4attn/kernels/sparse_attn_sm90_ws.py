@@ -139,6 +139,26 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+@gluon.jit
+def _prefetch_q_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, AHEAD: gl.constexpr):
+    """Ask L2 for the q rows of the program ``AHEAD`` places after this one in launch order
+    (linear over the grid; ``AHEAD`` = the SM count, one CTA per SM, so that program starts about
+    when this one ends): every 128-byte line of its 64 heads x 512 values, one warpgroup's four
+    prefetches per thread. Its q load then finds L2 instead of DRAM. Heads past ``num_heads``
+    ask for head 0's row instead (no address outside q); past the grid's end nothing is asked."""
+    n0 = gl.num_programs(0)
+    nxt = gl.program_id(0) + gl.program_id(1) * n0 + AHEAD
+    if nxt < n0 * gl.num_programs(1):
+        tiles = gl.cdiv(num_heads, BLOCK_H)
+        p0 = nxt % n0
+        h = (p0 % tiles) * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PF_L))
+        k = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L)), 0)
+        row = (p0 // tiles).to(gl.int64) * stride_q_t + gl.where(h < num_heads, h, 0) * stride_q_h
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
+                                  [q_ptr + gl.expand_dims(row, 1) + k * 64], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
 #: PTX taking one word of four e4m3 bytes ($2) to two bf16x2 words ($0: bytes 0, 1; $1: bytes 2,
 #: 3; the first byte in the low half), each pair times its bf16x2 scale ($3, $4): the bit moves
 #: of :func:`dsv4attn.kernels.common.e4m3_bits_ptx` and two bf16x2 products per pair (by 2^120,
@@ -1159,7 +1179,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr, Q_AHEAD: gl.constexpr = 0):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
     q_smem = q_all.index(0)
@@ -1173,6 +1193,8 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     hq_ok = hq < num_heads
     q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                 + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
+    if Q_AHEAD > 0:  # while this q travels, ask L2 for the q of the program one wave later
+        _prefetch_q_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, Q_AHEAD)
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
@@ -1317,6 +1339,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
+    Q_AHEAD: gl.constexpr = 0,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1358,7 +1381,8 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
+                    Q_AHEAD)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -1391,7 +1415,8 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
+                    Q_AHEAD)),
             (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                     num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
