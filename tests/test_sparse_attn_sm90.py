@@ -211,10 +211,11 @@ Q_AHEAD_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES}.values())
 @needs_hopper
 @pytest.mark.parametrize("case", Q_AHEAD_CASES, ids=[c[0] for c in Q_AHEAD_CASES])
 def test_sm90_q_ahead_is_bit_identical(case, monkeypatch):
-    """Warpgroup 0's L2 prefetch of a later program's q (``sm90_q_ahead``) is a hint: out and lse
-    are bit-identical with it on and off, and match the fp64 oracle. These grids are smaller than
-    the SM count, so with the real distance no program has one to prefetch; with a distance of
-    one program every program but the last prefetches its successor's q."""
+    """Warpgroup 0's L2 prefetch of a later program's q and first index entries
+    (``sm90_q_ahead``) is a hint: out and lse are bit-identical with it on and off, and match the
+    fp64 oracle. These grids are smaller than the SM count, so with the real distance no program
+    has one to prefetch; with a distance of one program every program but the last prefetches
+    its successor's."""
     from dsv4attn.ops import sparse_attn_launch as sl
 
     variants = {"off": dict(sm90_q_ahead=False), "on": dict(sm90_q_ahead=True)}

@@ -140,23 +140,35 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
 
 
 @gluon.jit
-def _prefetch_q_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, AHEAD: gl.constexpr):
-    """Ask L2 for the q rows of the program ``AHEAD`` places after this one in launch order
-    (linear over the grid; ``AHEAD`` = the SM count, one CTA per SM, so that program starts about
-    when this one ends): every 128-byte line of its 64 heads x 512 values, one warpgroup's four
-    prefetches per thread. Its q load then finds L2 instead of DRAM. Heads past ``num_heads``
-    ask for head 0's row instead (no address outside q); past the grid's end nothing is asked."""
+def _prefetch_l2(ptrs):
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, idx_ptr, stride_idx, width, IS_RANGE: gl.constexpr,
+                    AHEAD: gl.constexpr):
+    """Ask L2 for what the program ``AHEAD`` places after this one in launch order waits for
+    first (linear over the grid; ``AHEAD`` = the SM count, one CTA per SM, so that program starts
+    about when this one ends): every 128-byte line of its q (64 heads x 512 values, four
+    prefetches per thread of one warpgroup) and, for an indices-form set A, the lines of its first
+    chunk's 64 index entries. Its q load and first slot lookups then find L2 instead of DRAM. Heads
+    past ``num_heads`` ask for head 0's row instead, entries past ``width`` for the row's last one
+    (no address outside q or the index row); past the grid's end nothing is asked."""
     n0 = gl.num_programs(0)
     nxt = gl.program_id(0) + gl.program_id(1) * n0 + AHEAD
     if nxt < n0 * gl.num_programs(1):
         tiles = gl.cdiv(num_heads, BLOCK_H)
         p0 = nxt % n0
+        t = (p0 // tiles).to(gl.int64)
         h = (p0 % tiles) * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PF_L))
         k = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L)), 0)
-        row = (p0 // tiles).to(gl.int64) * stride_q_t + gl.where(h < num_heads, h, 0) * stride_q_h
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
-                                  [q_ptr + gl.expand_dims(row, 1) + k * 64], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        row = t * stride_q_t + gl.where(h < num_heads, h, 0) * stride_q_h
+        _prefetch_l2(q_ptr + gl.expand_dims(row, 1) + k * 64)
+        if not IS_RANGE:  # split s starts at chunk s: entries 64 s .. 64 s + 63, 256 bytes, one point
+            if width > 0:  # in every 128-byte line they touch
+                j = (nxt // n0) * BLOCK_N + gl.arange(0, 4, layout=LANES_L) * 21
+                _prefetch_l2(idx_ptr + t * stride_idx + gl.minimum(j, width - 1))
 
 
 #: PTX taking one word of four e4m3 bytes ($2) to two bf16x2 words ($0: bytes 0, 1; $1: bytes 2,
@@ -1177,6 +1189,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          sink_ptr, split_base, total_splits,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+         a_idx_ptr, a_stride_idx,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
          CLUSTER: gl.constexpr, DUAL: gl.constexpr, Q_AHEAD: gl.constexpr = 0):
@@ -1194,7 +1207,8 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                 + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
     if Q_AHEAD > 0:  # while this q travels, ask L2 for the q of the program one wave later
-        _prefetch_q_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, Q_AHEAD)
+        _prefetch_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, a_idx_ptr, a_stride_idx, a_width, A_RANGE,
+                        Q_AHEAD)
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
@@ -1381,6 +1395,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                    a_idx_ptr, a_stride_idx,
                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
                     Q_AHEAD)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
@@ -1415,6 +1430,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
+                    a_idx_ptr, a_stride_idx,
                     A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
                     Q_AHEAD)),
             (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,

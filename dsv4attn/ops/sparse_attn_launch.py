@@ -117,11 +117,12 @@ class KernelConfig:
     #: 32, and 1.13-1.20x FlashMLA on its prefill rows against 1.08-1.10x (docs/benchmarks.md,
     #: Table 59): off.
     sm90_qreg_col_copies: bool = False
-    #: In the warp-specialised kernel, warpgroup 0 asks L2 for the q rows of the program one SM
-    #: count further in launch order while its own q loads travel (``prefetch.global.L2``; that
-    #: program starts about when this one ends), so that a CTA's q load finds L2 instead of DRAM
-    #: (a CTA's fixed cost; docs/benchmarks.md, thirty-fifth session). Compiled, never run on a
-    #: GPU yet: off.
+    #: In the warp-specialised kernel, warpgroup 0 asks L2 for the q rows, and an indices-form
+    #: first set's first chunk of index entries, of the program one SM count further in launch
+    #: order while its own q loads travel (``prefetch.global.L2``; that program starts about when
+    #: this one ends), so that a CTA's q load and first slot lookups find L2 instead of DRAM (a
+    #: CTA's fixed cost; docs/benchmarks.md, thirty-fifth session). Compiled, never run on a GPU
+    #: yet: off.
     sm90_q_ahead: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
