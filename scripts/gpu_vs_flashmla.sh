@@ -16,7 +16,8 @@
 #   vs2 (it again with KCFG) | vsold (it again with the kernel files in OLD_KERNELS swapped in for the
 #   step: a folder of dsv4attn/kernels/*.py from another commit, e.g. filled with `git show REV:path`,
 #   so two versions are timed on one machine) | vssweep (both libraries' decode over 4-32 chunks,
-#   fitted as fixed + per chunk) -- each logs to $OUT/<step>.txt.
+#   fitted as fixed + per chunk) | psweep (scripts/prefill_sweep.py at h64, both libraries fitted as a CTA's
+#   fixed cost + per chunk; with KCFG set, again with those KernelConfig fields) -- each logs to $OUT/<step>.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 SRC="$1"; SAVED="$2"; shift 2
@@ -82,6 +83,13 @@ for step in "$@"; do
     vssweep) # both libraries' decode at B=1024 over 4-32 chunks, each fitted as fixed + per chunk
         wait_build; timeout "${VS_TIMEOUT:-400}" python3 -m benchmarks.bench_vs_flashmla --flashmla-path $FM --graphs \
           --decode-sweep --json "$OUT/vssweep.json" 2>&1 | tee "$OUT/vssweep.txt" | grep "^fit\|^decode sweep" ;;
+    psweep) wait_build; timeout "${PSWEEP_TIMEOUT:-240}" python3 -m scripts.prefill_sweep --flashmla-path $FM --heads 64 \
+          > "$OUT/psweep.txt" 2>&1
+        if [[ -n "${KCFG:-}" ]]; then
+          timeout "${PSWEEP_TIMEOUT:-240}" python3 -m scripts.prefill_sweep --flashmla-path $FM --heads 64 \
+            --label "dsv4attn $KCFG" --kernel-config "$KCFG" >> "$OUT/psweep.txt" 2>&1
+        fi
+        grep "per CTA" "$OUT/psweep.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -8,6 +8,10 @@ its top-k in 64-row chunks, one CTA per SM at a time, so time ~ waves * (fixed +
 per_chunk); the least-squares line over the sweep gives both terms per CTA, in us.
 
     python3 -m scripts.prefill_sweep [--flashmla-path DIR] [--heads 64,128] [--label NAME]
+        [--kernel-config FIELD=VALUE,...]
+
+``--kernel-config`` changes KernelConfig fields in every dispatch of this process (as
+``benchmarks.bench_vs_flashmla --kernel-config``), so that two runs fit a switch's two settings.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import torch
 
 import dsv4attn
-from benchmarks.bench_vs_flashmla import D, SCALE, load_flashmla
+from benchmarks.bench_vs_flashmla import D, SCALE, load_flashmla, override_kernel_config
 from benchmarks.common import graph_us, line_fit
 
 TOPKS = (128, 256, 512, 1024, 2048)  # FlashMLA takes multiples of 128
@@ -30,7 +34,10 @@ def main() -> None:
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--label", default="dsv4attn")
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--kernel-config", default="", help="KernelConfig fields for every dispatch: a=1,b=True")
     args = ap.parse_args()
+    if args.kernel_config:
+        override_kernel_config(args.kernel_config)
     fm = None if args.no_flashmla else load_flashmla(args.flashmla_path)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s_q, s_kv = 4096, 16384
