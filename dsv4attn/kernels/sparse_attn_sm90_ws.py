@@ -135,12 +135,12 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
     line = gl.where(k < 5, row + gl.expand_dims(off * 576, 1) + k * 128, row + gl.expand_dims(off * 576, 1) + 575)
     addr = gl.where(k < 6, line, row + block_size * 576 + gl.expand_dims(off * 8, 1))
     addr = gl.where(gl.expand_dims(valid, 1), addr, 0)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [cache_ptr + addr],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    _prefetch_l2(cache_ptr + addr)
 
 
 @gluon.jit
 def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of each address: the line travels to L2, no register waits for it."""
     gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
                               is_pure=False, pack=1)
 
@@ -1206,7 +1206,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     hq_ok = hq < num_heads
     q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                 + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
-    if Q_AHEAD > 0:  # while this q travels, ask L2 for the q of the program one wave later
+    if Q_AHEAD > 0:  # while this q travels, ask L2 for what the program one wave later reads first
         _prefetch_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, a_idx_ptr, a_stride_idx, a_width, A_RANGE,
                         Q_AHEAD)
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
