@@ -5,9 +5,11 @@
 
 Same inputs as ``scripts/attn_variants.py``: decode, 512 + 128 fp8 candidates per token, sink;
 with ``--prefill TOPK``, its prefill rows instead (``--batch`` query tokens, bf16 pages of 16384
-rows, one indices-form set of TOPK rows per token, sink). With ``--flashmla PATH`` (decode only)
-FlashMLA's ``flash_mla_with_kvcache`` runs on the same cache bytes instead, for the same
-sections of its kernel (``ncu -k regex:splitkv_mla_fp8_sparse`` ...): both libraries profiled on one machine.
+rows, one indices-form set of TOPK rows per token, sink). With ``--flashmla PATH`` FlashMLA runs
+on the same cache bytes instead, for the same sections of its kernel: its decode
+``flash_mla_with_kvcache`` (``ncu -k regex:splitkv_mla_fp8_sparse`` ...), or with ``--prefill``
+its ``flash_mla_sparse_fwd`` (``ncu -k regex:sparse_attn_fwd_kernel`` ...): both libraries
+profiled on one machine.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, metavar="TOPK", help="the prefill rows' inputs (bf16 pages)")
     ap.add_argument("--flashmla", default="", metavar="PATH", help="run FlashMLA's decode (built package at PATH)")
     a = ap.parse_args()
-    if a.flashmla and a.prefill:
-        ap.error("--flashmla runs FlashMLA's decode only; it does not take --prefill")
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.prefill:
         kv, idx, q, sink, lengths = prefill_inputs(a.batch, a.heads, a.prefill, gen)
@@ -44,6 +44,9 @@ def main() -> None:
         q = (torch.randn(a.batch, a.heads, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         sets = sets_for(a.batch, gen)
         sink = torch.randn(a.heads, device="cuda", generator=gen)
+    if a.flashmla and a.prefill:
+        run_flashmla_prefill(a.flashmla, q, sets[0], sink, a.launches)
+        return
     if a.flashmla:
         run_flashmla(a.flashmla, q, sets, sink, a.launches)
         return
@@ -75,6 +78,21 @@ def run_flashmla(path: str, q: torch.Tensor, sets: list[CandidateSet], sink: tor
                         sink)
     torch.cuda.synchronize()
     print(f"FlashMLA from {path}: {launches} decode calls")
+
+
+def run_flashmla_prefill(path: str, q: torch.Tensor, cset: CandidateSet, sink: torch.Tensor, launches: int) -> None:
+    """FlashMLA's prefill on the same rows: the pages as its [rows, 1, D] kv, the set's indices as
+    its top-k (the bench's call)."""
+    from benchmarks.bench_vs_flashmla import load_flashmla
+
+    fm = load_flashmla(path)
+    if fm is None:
+        raise SystemExit(f"no FlashMLA at {path}")
+    kv = cset.cache.reshape(-1, 1, D)
+    for _ in range(launches):
+        fm.flash_mla_sparse_fwd(q, kv, cset.indices[:, None, :], SCALE, D, attn_sink=sink)
+    torch.cuda.synchronize()
+    print(f"FlashMLA from {path}: {launches} prefill calls")
 
 
 if __name__ == "__main__":

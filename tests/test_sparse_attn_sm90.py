@@ -255,6 +255,26 @@ def test_sm90_qreg_is_bit_identical(case, max_logits):
                                    max_logits)
 
 
+# Every case above once, the q-in-registers kernel's among them: one chunk, two, odd counts per
+# split, chunks of both sets, a set of holes only, fp8 pages (one tile and the cluster's two).
+LAG_CASES = list({c[0]: c for c in Q_AHEAD_CASES + QREG_CASES}.values())
+
+
+@needs_hopper
+@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
+@pytest.mark.parametrize("case", LAG_CASES, ids=[c[0] for c in LAG_CASES])
+def test_sm90_wg1_lag_is_bit_identical(case, max_logits):
+    """Warpgroup 1 multiplying chunk i only once warpgroup 0 has chunk i + 1's logits
+    (``sm90_wg1_lag``) changes when products run, not what they compute: out, lse and max logits
+    are bit-identical with it on and off, and match the fp64 oracle. It applies to the kernel with
+    one producer, so the fp8 cases run that one."""
+    if max_logits and case[4] > 1:
+        pytest.skip("max logits are produced without split-KV only")
+    one = dict(sm90_dual_producer=False)
+    _assert_variants_bit_identical(case, {"off": dict(one, sm90_wg1_lag=False),
+                                          "on": dict(one, sm90_wg1_lag=True)}, max_logits)
+
+
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")

@@ -124,6 +124,12 @@ class KernelConfig:
     #: CTA's fixed cost; docs/benchmarks.md, thirty-fifth session). Compiled, never run on a GPU
     #: yet: off.
     sm90_q_ahead: bool = False
+    #: In the warp-specialised kernel with one producer (bf16 pages, and fp8 pages without
+    #: ``sm90_dual_producer``), warpgroup 1 multiplies chunk i only once warpgroup 0 has the
+    #: logits of chunk i + 1, so that its half of ``P V`` fills the tensor cores during warpgroup
+    #: 0's softmax instead of slowing the logits down; the K stage is then released later.
+    #: Bit-identical either way (docs/benchmarks.md, thirty-sixth session): off.
+    sm90_wg1_lag: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -414,7 +420,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         Q_AHEAD=sm_count(q.device) if cfg.sm90_q_ahead and q.is_cuda else 0)
+                         Q_AHEAD=sm_count(q.device) if cfg.sm90_q_ahead and q.is_cuda else 0,
+                         LAG=cfg.sm90_wg1_lag and not dual)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
