@@ -93,9 +93,7 @@ def compile_sm90() -> int:
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output, and on fp8 pages the producers: plain or loads ahead, the merged sets and the two
     producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's K-stage offset is checked
-    against what its inline PTX assumes; each producer with indices-form sets also with the q
-    prefetch of ``KernelConfig.sm90_q_ahead``; each one-producer kernel with indices-form sets also
-    with warpgroup 1's lag of ``KernelConfig.sm90_wg1_lag``), and the q-in-registers kernel of bf16 pages (its
+    against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
     copies by rows or by columns)."""
     import inspect
     import itertools
@@ -117,15 +115,8 @@ def compile_sm90() -> int:
         merges = (False, True) if "MERGE" in names else (False,)
         duals = (False, True) if "DUAL" in names else (False,)
         col_copies = (False, True) if "COL_COPIES" in names else (False,)
-        aheads = (0, 132) if "Q_AHEAD" in names else (0,)
-        lags = (False, True) if "LAG" in names else (False,)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, ahead, lag in itertools.product(
-                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies,
-                aheads, lags):
-            if ahead and (a_range or b_range or partial):  # the q prefetch: one form of sets per producer is enough
-                continue
-            if lag and (dual or ahead or a_range or b_range):  # warpgroup 1's lag: one-producer kernels, both outputs
-                continue
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies):
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
@@ -135,8 +126,7 @@ def compile_sm90() -> int:
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
-                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols),
-                                            ("Q_AHEAD", ahead), ("LAG", lag))
+                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols))
                           if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default

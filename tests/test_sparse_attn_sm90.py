@@ -204,26 +204,6 @@ def test_sm90_dual_producer_is_bit_identical(case):
                                           "dual": dict(sm90_dual_producer=True)})
 
 
-# Every case above once: fp8 and bf16 pages, one tile and the cluster's two, splits, holes.
-Q_AHEAD_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES}.values())
-
-
-@needs_hopper
-@pytest.mark.parametrize("case", Q_AHEAD_CASES, ids=[c[0] for c in Q_AHEAD_CASES])
-def test_sm90_q_ahead_is_bit_identical(case, monkeypatch):
-    """Warpgroup 0's L2 prefetch of a later program's q and first index entries
-    (``sm90_q_ahead``) is a hint: out and lse are bit-identical with it on and off, and match the
-    fp64 oracle. These grids are smaller than the SM count, so with the real distance no program
-    has one to prefetch; with a distance of one program every program but the last prefetches
-    its successor's."""
-    from dsv4attn.ops import sparse_attn_launch as sl
-
-    variants = {"off": dict(sm90_q_ahead=False), "on": dict(sm90_q_ahead=True)}
-    _assert_variants_bit_identical(case, variants)
-    monkeypatch.setattr(sl, "sm_count", lambda device: 1)
-    _assert_variants_bit_identical(case, variants)
-
-
 # Every bf16 case above and more: what the q-in-registers kernel serves (masked head rows, holes,
 # a set of holes only, fewer chunks than K stages, both set forms, odd chunk counts per split).
 QREG_CASES = [c for c in CASES if not c[3][0].fp8] + [
@@ -253,26 +233,6 @@ def test_sm90_qreg_is_bit_identical(case, max_logits):
                                           "q in registers, copies by columns": dict(sm90_bf16_qreg=True,
                                                                                     sm90_qreg_col_copies=True)},
                                    max_logits)
-
-
-# Every case above once, the q-in-registers kernel's among them: one chunk, two, odd counts per
-# split, chunks of both sets, a set of holes only, fp8 pages (one tile and the cluster's two).
-LAG_CASES = list({c[0]: c for c in Q_AHEAD_CASES + QREG_CASES}.values())
-
-
-@needs_hopper
-@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
-@pytest.mark.parametrize("case", LAG_CASES, ids=[c[0] for c in LAG_CASES])
-def test_sm90_wg1_lag_is_bit_identical(case, max_logits):
-    """Warpgroup 1 multiplying chunk i only once warpgroup 0 has chunk i + 1's logits
-    (``sm90_wg1_lag``) changes when products run, not what they compute: out, lse and max logits
-    are bit-identical with it on and off, and match the fp64 oracle. It applies to the kernel with
-    one producer, so the fp8 cases run that one."""
-    if max_logits and case[4] > 1:
-        pytest.skip("max logits are produced without split-KV only")
-    one = dict(sm90_dual_producer=False)
-    _assert_variants_bit_identical(case, {"off": dict(one, sm90_wg1_lag=False),
-                                          "on": dict(one, sm90_wg1_lag=True)}, max_logits)
 
 
 @needs_hopper

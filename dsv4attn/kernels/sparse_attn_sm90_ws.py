@@ -135,40 +135,8 @@ def _prefetch_half(cache_ptr, x, j, start, block_size, capacity, stride_blk, IS_
     line = gl.where(k < 5, row + gl.expand_dims(off * 576, 1) + k * 128, row + gl.expand_dims(off * 576, 1) + 575)
     addr = gl.where(k < 6, line, row + block_size * 576 + gl.expand_dims(off * 8, 1))
     addr = gl.where(gl.expand_dims(valid, 1), addr, 0)
-    _prefetch_l2(cache_ptr + addr)
-
-
-@gluon.jit
-def _prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of each address: the line travels to L2, no register waits for it."""
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, idx_ptr, stride_idx, width, IS_RANGE: gl.constexpr,
-                    AHEAD: gl.constexpr):
-    """Ask L2 for what the program ``AHEAD`` places after this one in launch order waits for
-    first (linear over the grid; ``AHEAD`` = the SM count, one CTA per SM, so that program starts
-    about when this one ends): every 128-byte line of its q (64 heads x 512 values, four
-    prefetches per thread of one warpgroup) and, for an indices-form set A, the lines of its first
-    chunk's 64 index entries. Its q load and first slot lookups then find L2 instead of DRAM. Heads
-    past ``num_heads`` ask for head 0's row instead, entries past ``width`` for the row's last one
-    (no address outside q or the index row); past the grid's end nothing is asked."""
-    n0 = gl.num_programs(0)
-    nxt = gl.program_id(0) + gl.program_id(1) * n0 + AHEAD
-    if nxt < n0 * gl.num_programs(1):
-        tiles = gl.cdiv(num_heads, BLOCK_H)
-        p0 = nxt % n0
-        t = (p0 // tiles).to(gl.int64)
-        h = (p0 % tiles) * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PF_L))
-        k = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L)), 0)
-        row = t * stride_q_t + gl.where(h < num_heads, h, 0) * stride_q_h
-        _prefetch_l2(q_ptr + gl.expand_dims(row, 1) + k * 64)
-        if not IS_RANGE:  # split s starts at chunk s: entries 64 s .. 64 s + 63, 256 bytes, one point
-            if width > 0:  # in every 128-byte line they touch
-                j = (nxt // n0) * BLOCK_N + gl.arange(0, 4, layout=LANES_L) * 21
-                _prefetch_l2(idx_ptr + t * stride_idx + gl.minimum(j, width - 1))
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [cache_ptr + addr],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 #: PTX taking one word of four e4m3 bytes ($2) to two bf16x2 words ($0: bytes 0, 1; $1: bytes 2,
@@ -1101,14 +1069,12 @@ def _softmax_step(s, valid, qk_scale, m_i, l_i):
 
 @gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
-              peer, s_done, CLUSTER: gl.constexpr, LAG: gl.constexpr):
+              peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
     once warpgroup 1 has released it (its multiply of chunk i - 2 is done); then the stage is
-    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)
-    ``LAG``: once chunk i's logits are in, ``s_done`` lets warpgroup 1 multiply chunk i - 1, so
-    that its product runs under this chunk's softmax rather than beside the logits."""
+    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)"""
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
@@ -1123,9 +1089,6 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
                           use_acc=False, is_async=True)
         valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
         s = warpgroup_mma_wait(0, deps=[s])
-        if LAG:
-            if i > 0:
-                mbarrier.arrive(s_done.index(1 - st))
         p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
@@ -1143,9 +1106,6 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
         else:
             mbarrier.arrive(empty.index(st))
-    if LAG:
-        if n > 0:  # no logits follow the last chunk
-            mbarrier.arrive(s_done.index((n - 1) % 2))
     return o, m_i, l_i
 
 
@@ -1192,15 +1152,14 @@ def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_buf
 
 @gluon.jit
 def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
-         empty, full, p_ready, p_free, fin, s_done, t, split, num_splits, qk_scale,
+         empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
          out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
          sink_ptr, split_base, total_splits,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-         a_idx_ptr, a_stride_idx,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr, Q_AHEAD: gl.constexpr, LAG: gl.constexpr):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
     q_smem = q_all.index(0)
@@ -1214,9 +1173,6 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     hq_ok = hq < num_heads
     q = gl.load(q_ptr + t64 * stride_q_t + gl.expand_dims(gl.where(hq_ok, hq, 0) * stride_q_h, 1)
                 + gl.expand_dims(dq, 0), mask=gl.expand_dims(hq_ok, 1), other=0.0)
-    if Q_AHEAD > 0:  # while this q travels, ask L2 for what the program one wave later reads first
-        _prefetch_ahead(q_ptr, stride_q_t, stride_q_h, num_heads, a_idx_ptr, a_stride_idx, a_width, A_RANGE,
-                        Q_AHEAD)
     q_smem.store(q.to(gl.bfloat16))  # all of q's loads in flight at once
     fence_async_shared()
     _cta_barrier()
@@ -1230,7 +1186,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
         o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                                p_free, qk_scale, 1 - pid_h, s_done, CLUSTER, LAG)
+                                p_free, qk_scale, 1 - pid_h, CLUSTER)
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
@@ -1304,15 +1260,14 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
 
 
 @gluon.jit
-def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, s_done, t64, pid_h, t, split,
-         num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
+         num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr, LAG: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
-    P buffer and K stage after its multiply. ``LAG``: chunk i's multiply waits until warpgroup 0
-    has chunk i + 1's logits (``s_done``)."""
+    P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -1325,8 +1280,6 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         if CLUSTER:
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
-        if LAG:
-            mbarrier.wait(s_done.index(st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
@@ -1364,7 +1317,6 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
-    Q_AHEAD: gl.constexpr = 0, LAG: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1388,12 +1340,6 @@ def _sparse_mla_attn_sm90_ws_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    if LAG:
-        s_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(s_done.index(i), count=1)
-    else:
-        s_done = fin  # not used
     for i in gl.static_range(2):
         mbarrier.init(empty.index(i), count=2)
         mbarrier.init(full.index(i), count=2 if DUAL else 1)
@@ -1407,14 +1353,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
     if DUAL:  # two producer warpgroups, each filling half of every stage; the consumers' halves of O in quarters
         gl.warp_specialize([
             (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                    valid_bufs, empty, full, p_ready, p_free, fin, s_done, t, split, num_splits, qk_scale,
+                    valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
                     out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    a_idx_ptr, a_stride_idx,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
-                    Q_AHEAD, False)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -1442,19 +1386,17 @@ def _sparse_mla_attn_sm90_ws_kernel(
     else:
         gl.warp_specialize([
             (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                    valid_bufs, empty, full, p_ready, p_free, fin, s_done, t, split, num_splits, qk_scale,
+                    valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
                     out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    a_idx_ptr, a_stride_idx,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
-                    Q_AHEAD, LAG)),
-            (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, s_done, t64, pid_h, t,
-                    split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
+            (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
+                    num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER, LAG)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,

@@ -117,19 +117,6 @@ class KernelConfig:
     #: 32, and 1.13-1.20x FlashMLA on its prefill rows against 1.08-1.10x (docs/benchmarks.md,
     #: Table 59): off.
     sm90_qreg_col_copies: bool = False
-    #: In the warp-specialised kernel, warpgroup 0 asks L2 for the q rows, and an indices-form
-    #: first set's first chunk of index entries, of the program one SM count further in launch
-    #: order while its own q loads travel (``prefetch.global.L2``; that program starts about when
-    #: this one ends), so that a CTA's q load and first slot lookups find L2 instead of DRAM (a
-    #: CTA's fixed cost; docs/benchmarks.md, thirty-fifth session). Compiled, never run on a GPU
-    #: yet: off.
-    sm90_q_ahead: bool = False
-    #: In the warp-specialised kernel with one producer (bf16 pages, and fp8 pages without
-    #: ``sm90_dual_producer``), warpgroup 1 multiplies chunk i only once warpgroup 0 has the
-    #: logits of chunk i + 1, so that its half of ``P V`` fills the tensor cores during warpgroup
-    #: 0's softmax instead of slowing the logits down; the K stage is then released later.
-    #: Bit-identical either way (docs/benchmarks.md, thirty-sixth session): off.
-    sm90_wg1_lag: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -419,9 +406,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
-                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         Q_AHEAD=sm_count(q.device) if cfg.sm90_q_ahead and q.is_cuda else 0,
-                         LAG=cfg.sm90_wg1_lag and not dual)
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
