@@ -235,6 +235,30 @@ def test_sm90_qreg_is_bit_identical(case, max_logits):
                                    max_logits)
 
 
+# Every case above once: bf16 pages (one chunk, two, odd counts per split, chunks of both sets, a
+# set of holes only, masked head rows) and fp8 pages (one tile and the cluster's two).
+SCHEDULE_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES + QREG_CASES}.values())
+
+
+@needs_hopper
+@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=[c[0] for c in SCHEDULE_CASES])
+def test_sm90_consumer_schedules_are_bit_identical(case, max_logits):
+    """The stages refilled by halves (``sm90_bf16_halves``: the logits start on the first 256
+    columns while the rest land) and warpgroup 1's multiply held until the next logits are in
+    (``sm90_wg1_lag``), apart and together, change when products run, not what they compute:
+    out, lse and max logits are bit-identical to the default's, and match the fp64 oracle. Both
+    apply to the kernel with one producer, so the fp8 cases run that one."""
+    if max_logits and case[4] > 1:
+        pytest.skip("max logits are produced without split-KV only")
+    one = dict(sm90_dual_producer=False)
+    variants = {"default": one, "lag": dict(one, sm90_wg1_lag=True)}
+    if not case[3][0].fp8:
+        variants.update({"halves": dict(one, sm90_bf16_halves=True),
+                         "halves and lag": dict(one, sm90_bf16_halves=True, sm90_wg1_lag=True)})
+    _assert_variants_bit_identical(case, variants, max_logits)
+
+
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")

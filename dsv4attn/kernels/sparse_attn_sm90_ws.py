@@ -844,16 +844,22 @@ def _chunk_rows(i, split, num_splits):
 def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, stride_entry, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
-                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
+                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, HALVES: gl.constexpr):
     """bf16 pages: per chunk, wait for a free K stage, copy the rows straight into it with
     ``cp.async`` (invalid candidates zero-filled, never read), wait for the copies and hand the
     stage over. Nothing to dequantise, so the producer only needs to run one chunk ahead: the
     copy of chunk c+1 lands while the consumers multiply chunk c. Slot lookups read one chunk
-    ahead."""
+    ahead. ``HALVES``: each stage is refilled by halves of 256 columns, each with its own barriers
+    (``empty`` / ``full`` index ``st`` for columns 0-255, with the validity, ``2 + st`` for
+    256-511): the first half as soon as warpgroup 0 has multiplied it, the second once the
+    logits and warpgroup 1 are done with it."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
-    d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
+    if HALVES:
+        d = gl.expand_dims(gl.arange(0, HALF_V, layout=gl.SliceLayout(0, KB4_L)), 0)
+    else:
+        d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
     x = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                          max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
@@ -864,11 +870,24 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
-        _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
-        cp.commit_group()
-        valid_bufs.index(st).store(valid.to(gl.int8))
-        cp.wait_group(0)
-        _hand_over(full, st)
+        if HALVES:
+            _async_load(k_bufs.index(st).slice(0, HALF_V, dim=1), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
+            cp.commit_group()
+            valid_bufs.index(st).store(valid.to(gl.int8))
+            cp.wait_group(0)
+            _hand_over(full, st)
+            mbarrier.wait(empty.index(2 + st), ((it // 2) & 1) ^ 1)
+            _async_load(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), cache_ptr + rows + HALF_V + d,
+                        mask=gl.expand_dims(valid, 1))
+            cp.commit_group()
+            cp.wait_group(0)
+            _hand_over(full, 2 + st)
+        else:
+            _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
+            cp.commit_group()
+            valid_bufs.index(st).store(valid.to(gl.int8))
+            cp.wait_group(0)
+            _hand_over(full, st)
         it += 1
     return it
 
@@ -884,7 +903,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
-              DUAL: gl.constexpr, W: gl.constexpr):
+              DUAL: gl.constexpr, W: gl.constexpr, HALVES: gl.constexpr):
     if CLUSTER:  # a cluster CTA: rows 32 * pid_h .. of every chunk, into both CTAs' stages
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF, WCO_L if DUAL else WTO_L)
@@ -936,12 +955,12 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
                                a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN)
+                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN, HALVES)
         if HAS_B:
             _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                               b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
                               b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
+                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN, HALVES)
     elif PIPE and MERGE:
         _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
                              a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
@@ -1069,12 +1088,16 @@ def _softmax_step(s, valid, qk_scale, m_i, l_i):
 
 @gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
-              peer, CLUSTER: gl.constexpr):
+              peer, CLUSTER: gl.constexpr, HALVES: gl.constexpr, LAG: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
     once warpgroup 1 has released it (its multiply of chunk i - 2 is done); then the stage is
-    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)"""
+    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)
+    ``HALVES``: the logits start on the stage's first 256 columns while the others land, and the
+    second half is released once they are in. ``LAG``: once chunk i's logits are in, warpgroup 1
+    may multiply chunk i - 1 (``p_ready`` index ``2 + st``), so that its product runs under this
+    chunk's softmax instead of beside the logits."""
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
@@ -1085,10 +1108,24 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             q_cur = q_all.index(i >> 30)  # (Triton 3.6 hoisted and spilled them here)
         else:
             q_cur = q_all.index(0)
-        s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
-                          use_acc=False, is_async=True)
-        valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
-        s = warpgroup_mma_wait(0, deps=[s])
+        if HALVES:
+            s = warpgroup_mma(q_cur.slice(0, HALF_V, dim=1), k_cur.slice(0, HALF_V, dim=1).permute((1, 0)),
+                              gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L), use_acc=False, is_async=True)
+            valid = _chunk_valid(valid_bufs.index(st))
+            mbarrier.wait(full.index(2 + st), (i // 2) & 1)
+            s = warpgroup_mma(q_cur.slice(HALF_V, HALF_V, dim=1), k_cur.slice(HALF_V, HALF_V, dim=1).permute((1, 0)),
+                              s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            _cta_barrier()
+            mbarrier.arrive(empty.index(2 + st))
+        else:
+            s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+                              use_acc=False, is_async=True)
+            valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
+            s = warpgroup_mma_wait(0, deps=[s])
+        if LAG:
+            if i > 0:
+                mbarrier.arrive(p_ready.index(3 - st))
         p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
@@ -1106,6 +1143,9 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
         else:
             mbarrier.arrive(empty.index(st))
+    if LAG:
+        if n > 0:  # no logits follow the last chunk
+            mbarrier.arrive(p_ready.index(2 + (n - 1) % 2))
     return o, m_i, l_i
 
 
@@ -1159,7 +1199,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr, HALVES: gl.constexpr, LAG: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
     q_smem = q_all.index(0)
@@ -1186,7 +1226,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
         o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                                p_free, qk_scale, 1 - pid_h, CLUSTER)
+                                p_free, qk_scale, 1 - pid_h, CLUSTER, HALVES, LAG)
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
@@ -1265,9 +1305,11 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr, HALVES: gl.constexpr,
+         LAG: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
-    P buffer and K stage after its multiply."""
+    P buffer and K stage (``HALVES``: its second half) after its multiply. ``LAG``: chunk i's
+    multiply waits until warpgroup 0 has chunk i + 1's logits."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -1276,10 +1318,12 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         _cl_op(_CL_SYNC, pid_h, pid_h)
     for i in range(n):
         st = i % 2
-        mbarrier.wait(full.index(st), (i // 2) & 1)
+        mbarrier.wait(full.index(2 * HALVES + st), (i // 2) & 1)  # the half it reads
         if CLUSTER:
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
+        if LAG:
+            mbarrier.wait(p_ready.index(2 + st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
@@ -1288,7 +1332,7 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         if CLUSTER:
             _cl_one(_CL_RELEASE, 16 + 8 * st, 1 - pid_h)
         else:
-            mbarrier.arrive(empty.index(st))
+            mbarrier.arrive(empty.index(2 * HALVES + st))
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     mbarrier.wait(fin.index(0), 0)
@@ -1317,6 +1361,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
+    HALVES: gl.constexpr = False, LAG: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1335,16 +1380,23 @@ def _sparse_mla_attn_sm90_ws_kernel(
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
     f_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC_SMEM)
     valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # HALVES: empty / full index 2 + st are the barriers of stage st's second half; LAG: p_ready
+    # index 2 + st tells warpgroup 1 that the logits after stage st's chunk are in.
+    empty = gl.allocate_shared_memory(gl.int64, [4 if HALVES else 2, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [4 if HALVES else 2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [4 if LAG else 2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=1 if HALVES else 2)  # HALVES: the first half is warpgroup 0's alone
         mbarrier.init(full.index(i), count=2 if DUAL else 1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
+        if HALVES:
+            mbarrier.init(empty.index(2 + i), count=2)
+            mbarrier.init(full.index(2 + i), count=1)
+        if LAG:
+            mbarrier.init(p_ready.index(2 + i), count=1)
     mbarrier.init(fin.index(0), count=1)
     if CLUSTER:
         _cl_one(_CL_INIT, t, t)
@@ -1358,7 +1410,8 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
+                    False, False)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -1372,7 +1425,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 0)),
+                         MERGE, DUAL, 0, HALVES)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1381,7 +1434,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 1)),
+                         MERGE, DUAL, 1, HALVES)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [WG1_REGS, DUAL_PRODUCER_REGS, DUAL_PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1391,12 +1444,13 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
+                    HALVES, LAG)),
             (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                     num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER, HALVES, LAG)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1405,5 +1459,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 0)),
+                         MERGE, DUAL, 0, HALVES)),
         ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
