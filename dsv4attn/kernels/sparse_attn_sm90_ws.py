@@ -852,7 +852,9 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
     ahead. ``HALVES``: each stage is refilled by halves of 256 columns, each with its own barriers
     (``empty`` / ``full`` index ``st`` for columns 0-255, with the validity, ``2 + st`` for
     256-511): the first half as soon as warpgroup 0 has multiplied it, the second once the
-    logits and warpgroup 1 are done with it."""
+    logits and warpgroup 1 are done with it. Each half's copies arrive on its full barrier when
+    they land (``cp.async.mbarrier.arrive``), so the second half's copies go out without waiting
+    for the first's."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
@@ -870,18 +872,18 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
-        if HALVES:
+        if HALVES:  # the copies complete on the full barriers: the producer never waits for them
             _async_load(k_bufs.index(st).slice(0, HALF_V, dim=1), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
-            cp.commit_group()
+            cp.mbarrier_arrive(full.index(st))
             valid_bufs.index(st).store(valid.to(gl.int8))
-            cp.wait_group(0)
-            _hand_over(full, st)
+            _cta_barrier()  # every thread's pending copies counted before the arrive
+            mbarrier.arrive(full.index(st))
             mbarrier.wait(empty.index(2 + st), ((it // 2) & 1) ^ 1)
             _async_load(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), cache_ptr + rows + HALF_V + d,
                         mask=gl.expand_dims(valid, 1))
-            cp.commit_group()
-            cp.wait_group(0)
-            _hand_over(full, 2 + st)
+            cp.mbarrier_arrive(full.index(2 + st))
+            _cta_barrier()
+            mbarrier.arrive(full.index(2 + st))
         else:
             _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
             cp.commit_group()
