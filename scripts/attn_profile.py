@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="sm90 kernel parts to skip (KernelConfig.sm90_skip)")
     ap.add_argument("--config", default="", help="KernelConfig fields to change, e.g. sm90_cluster=False")
     ap.add_argument("--prefill", type=int, default=0, metavar="TOPK", help="the prefill rows' inputs (bf16 pages)")
-    ap.add_argument("--flashmla", default="", metavar="PATH", help="run FlashMLA's decode (built package at PATH)")
+    ap.add_argument("--flashmla", default="", metavar="PATH",
+                    help="run FlashMLA's decode, or with --prefill its prefill (built package at PATH)")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.prefill:

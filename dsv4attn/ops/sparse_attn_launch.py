@@ -120,8 +120,9 @@ class KernelConfig:
     #: On bf16 pages, the warp-specialised kernel's producer refills each K stage by halves of
     #: 256 columns with their own barriers: the first half once warpgroup 0 has multiplied it,
     #: the second once the logits and warpgroup 1 are done with it; warpgroup 0 starts a chunk's
-    #: logits on the first half while the second lands. Bit-identical either way (thirty-sixth
-    #: session): off.
+    #: logits on the first half while the second lands. Bit-identical either way. 6-12% slower on
+    #: the prefill rows while the producer waited for each half's copies (docs/benchmarks.md,
+    #: Table 84); they now complete on the halves' barriers, not yet measured: off.
     sm90_bf16_halves: bool = False
     #: In the warp-specialised kernel with one producer (bf16 pages, and fp8 pages without
     #: ``sm90_dual_producer``), warpgroup 1 multiplies chunk i only once warpgroup 0 has chunk
