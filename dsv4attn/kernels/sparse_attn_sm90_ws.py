@@ -841,6 +841,17 @@ def _chunk_rows(i, split, num_splits):
 
 
 @gluon.jit
+def _copy_half(k_half, ptrs, valid, full, b):
+    """``HALVES``: copy half of a stage's rows (zero-filled where not ``valid``) with
+    ``cp.async`` and hand it over on ``full[b]``: each thread's copies arrive there when they land,
+    counted before the partition's one arrive, so the producer never waits for a copy."""
+    _async_load(k_half, ptrs, mask=gl.expand_dims(valid, 1))
+    cp.mbarrier_arrive(full.index(b))
+    _cta_barrier()
+    mbarrier.arrive(full.index(b))
+
+
+@gluon.jit
 def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, stride_entry, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
@@ -872,18 +883,12 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
         st = it % 2
         mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
         rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
-        if HALVES:  # the copies complete on the full barriers: the producer never waits for them
-            _async_load(k_bufs.index(st).slice(0, HALF_V, dim=1), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
-            cp.mbarrier_arrive(full.index(st))
+        if HALVES:
             valid_bufs.index(st).store(valid.to(gl.int8))
-            _cta_barrier()  # every thread's pending copies counted before the arrive
-            mbarrier.arrive(full.index(st))
+            _copy_half(k_bufs.index(st).slice(0, HALF_V, dim=1), cache_ptr + rows + d, valid, full, st)
             mbarrier.wait(empty.index(2 + st), ((it // 2) & 1) ^ 1)
-            _async_load(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), cache_ptr + rows + HALF_V + d,
-                        mask=gl.expand_dims(valid, 1))
-            cp.mbarrier_arrive(full.index(2 + st))
-            _cta_barrier()
-            mbarrier.arrive(full.index(2 + st))
+            _copy_half(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), cache_ptr + rows + HALF_V + d, valid, full,
+                       2 + st)
         else:
             _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
             cp.commit_group()
