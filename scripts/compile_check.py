@@ -95,7 +95,8 @@ def compile_sm90() -> int:
     producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's
     K-stage offset is checked against what its inline PTX assumes; with indices-form sets, on bf16
     pages also with the stages refilled by halves and with warpgroup 1's lag, apart and together,
-    and on fp8 pages with the lag), and the q-in-registers kernel of bf16 pages (its copies by rows
+    and on fp8 pages with the lag; on bf16 pages with every form of sets, the consumers taking turns,
+    with and without the halves), and the q-in-registers kernel of bf16 pages (its copies by rows
     or by columns)."""
     import inspect
     import itertools
@@ -117,14 +118,15 @@ def compile_sm90() -> int:
         merges = (False, True) if "MERGE" in names else (False,)
         duals = (False, True) if "DUAL" in names else (False,)
         col_copies = (False, True) if "COL_COPIES" in names else (False,)
-        schedules = ([(False, False), (True, False), (False, True), (True, True)] if "LAG" in names
-                     else [(False, False)])  # (HALVES, LAG)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, (halves, lag) in itertools.product(
+        schedules = ([(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                      (False, False, True), (True, False, True)] if "PING" in names
+                     else [(False, False, False)])  # (HALVES, LAG, PING)
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, (halves, lag, ping) in itertools.product(
                 page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies,
                 schedules):
-            if (halves or lag) and (dual or a_range or b_range):  # the consumers' schedules: one form of sets
+            if (halves or lag) and not ping and (dual or a_range or b_range):  # one form of sets
                 continue
-            if halves and not bf16:  # stages refilled by halves: bf16 pages
+            if (halves or ping) and not bf16:  # stages refilled by halves, the ping-pong: bf16 pages
                 continue
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
@@ -136,7 +138,7 @@ def compile_sm90() -> int:
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
                                             ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols),
-                                            ("HALVES", halves), ("LAG", lag))
+                                            ("HALVES", halves), ("LAG", lag), ("PING", ping))
                           if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default

@@ -260,6 +260,23 @@ def test_sm90_consumer_schedules_are_bit_identical(case, max_logits):
 
 
 @needs_hopper
+@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
+@pytest.mark.parametrize("case", [c for c in SCHEDULE_CASES if not c[3][0].fp8],
+                         ids=[c[0] for c in SCHEDULE_CASES if not c[3][0].fp8])
+def test_sm90_pingpong_matches_oracle(case, max_logits):
+    """The consumers taking turns (``sm90_pingpong``: each warpgroup every other chunk's logits
+    and softmax, both chunks' P into its columns; odd counts end with an empty chunk) match the
+    fp64 oracle like the default (the row sums add up in another order: not bit-identical to
+    it), with and without the stages refilled by halves (warpgroup 1 then starts its logits on
+    columns 256-511: another order of the sum again)."""
+    if max_logits and case[4] > 1:
+        pytest.skip("max logits are produced without split-KV only")
+    _assert_variants_bit_identical(case, {"ping-pong": dict(sm90_pingpong=True)}, max_logits)
+    _assert_variants_bit_identical(case, {"ping-pong, halves": dict(sm90_pingpong=True, sm90_bf16_halves=True)},
+                                   max_logits)
+
+
+@needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(CASES[0], device, torch.float32)

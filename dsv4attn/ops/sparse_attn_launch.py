@@ -131,6 +131,14 @@ class KernelConfig:
     #: refilled too late; docs/benchmarks.md, Table 82); meant for ``sm90_bf16_halves``,
     #: where only the second half waits. Bit-identical either way: off.
     sm90_wg1_lag: bool = False
+    #: On bf16 pages, the warp-specialised kernel's two consumer warpgroups take turns, as in
+    #: FlashMLA's prefill: each computes every other chunk's logits and softmax (the pair's row
+    #: max exchanged through shared memory) and multiplies both chunks' P into its 256 columns
+    #: of O, so one's softmax runs while the other's products are on the tensor cores. With
+    #: ``sm90_bf16_halves`` the halves are refilled in the order the owners read them;
+    #: ``sm90_wg1_lag`` does not apply. Not bit-identical to the default (the row sums add up
+    #: in another order). Not yet measured: off.
+    sm90_pingpong: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -421,7 +429,9 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
                          MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         HALVES=cfg.sm90_bf16_halves and not a.is_fp8, LAG=cfg.sm90_wg1_lag and not dual)
+                         HALVES=cfg.sm90_bf16_halves and not a.is_fp8,
+                         LAG=cfg.sm90_wg1_lag and not dual and not (cfg.sm90_pingpong and not a.is_fp8),
+                         PING=cfg.sm90_pingpong and not a.is_fp8)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
