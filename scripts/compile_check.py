@@ -92,12 +92,9 @@ def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
     output, and on fp8 pages the producers: plain or loads ahead, the merged sets and the two
-    producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's
-    K-stage offset is checked against what its inline PTX assumes; with indices-form sets, on bf16
-    pages also with the stages refilled by halves and with warpgroup 1's lag, apart and together,
-    and on fp8 pages with the lag; on bf16 pages with every form of sets, the consumers taking turns,
-    with and without the halves), and the q-in-registers kernel of bf16 pages (its copies by rows
-    or by columns)."""
+    producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's K-stage offset is checked
+    against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
+    copies by rows or by columns)."""
     import inspect
     import itertools
 
@@ -118,16 +115,8 @@ def compile_sm90() -> int:
         merges = (False, True) if "MERGE" in names else (False,)
         duals = (False, True) if "DUAL" in names else (False,)
         col_copies = (False, True) if "COL_COPIES" in names else (False,)
-        schedules = ([(False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                      (False, False, True), (True, False, True)] if "PING" in names
-                     else [(False, False, False)])  # (HALVES, LAG, PING)
-        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols, (halves, lag, ping) in itertools.product(
-                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies,
-                schedules):
-            if (halves or lag) and not ping and (dual or a_range or b_range):  # one form of sets
-                continue
-            if (halves or ping) and not bf16:  # stages refilled by halves, the ping-pong: bf16 pages
-                continue
+        for bf16, a_range, b_range, partial, pipe, cluster, merge, dual, cols in itertools.product(
+                page_kinds, (False, True), (False, True), (False, True), pipes, clusters, merges, duals, col_copies):
             if (pipe or cluster) and bf16:  # fp8 producers' variants only
                 continue
             if merge and (not pipe or cluster or a_range != b_range):  # what the launcher can pick
@@ -137,8 +126,7 @@ def compile_sm90() -> int:
             const = dict(A_RANGE=a_range, HAS_B=True, B_RANGE=b_range, HAS_SINK=True, WRITE_PARTIAL=partial,
                          OUT_BF16=True, A_LEN=True, B_LEN=True, WRITE_MAX=not partial)
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
-                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols),
-                                            ("HALVES", halves), ("LAG", lag), ("PING", ping))
+                                            ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols))
                           if k in names})
             for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
                 default = inspect.signature(kernel.fn).parameters[names[i]].default

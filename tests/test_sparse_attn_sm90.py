@@ -235,47 +235,6 @@ def test_sm90_qreg_is_bit_identical(case, max_logits):
                                    max_logits)
 
 
-# Every case above once: bf16 pages (one chunk, two, odd counts per split, chunks of both sets, a
-# set of holes only, masked head rows) and fp8 pages (one tile and the cluster's two).
-SCHEDULE_CASES = list({c[0]: c for c in CASES + CLUSTER_CASES + QREG_CASES}.values())
-
-
-@needs_hopper
-@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
-@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=[c[0] for c in SCHEDULE_CASES])
-def test_sm90_consumer_schedules_are_bit_identical(case, max_logits):
-    """The stages refilled by halves (``sm90_bf16_halves``: the logits start on the first 256
-    columns while the rest land) and warpgroup 1's multiply held until the next logits are in
-    (``sm90_wg1_lag``), apart and together, change when products run, not what they compute:
-    out, lse and max logits are bit-identical to the default's, and match the fp64 oracle. Both
-    apply to the kernel with one producer, so the fp8 cases run that one."""
-    if max_logits and case[4] > 1:
-        pytest.skip("max logits are produced without split-KV only")
-    one = dict(sm90_dual_producer=False)
-    variants = {"default": one, "lag": dict(one, sm90_wg1_lag=True)}
-    if not case[3][0].fp8:
-        variants.update({"halves": dict(one, sm90_bf16_halves=True),
-                         "halves and lag": dict(one, sm90_bf16_halves=True, sm90_wg1_lag=True)})
-    _assert_variants_bit_identical(case, variants, max_logits)
-
-
-@needs_hopper
-@pytest.mark.parametrize("max_logits", [False, True], ids=["lse", "max-logits"])
-@pytest.mark.parametrize("case", [c for c in SCHEDULE_CASES if not c[3][0].fp8],
-                         ids=[c[0] for c in SCHEDULE_CASES if not c[3][0].fp8])
-def test_sm90_pingpong_matches_oracle(case, max_logits):
-    """The consumers taking turns (``sm90_pingpong``: each warpgroup every other chunk's logits
-    and softmax, both chunks' P into its columns; odd counts end with an empty chunk) match the
-    fp64 oracle like the default (the row sums add up in another order: not bit-identical to
-    it), with and without the stages refilled by halves (warpgroup 1 then starts its logits on
-    columns 256-511: another order of the sum again)."""
-    if max_logits and case[4] > 1:
-        pytest.skip("max logits are produced without split-KV only")
-    _assert_variants_bit_identical(case, {"ping-pong": dict(sm90_pingpong=True)}, max_logits)
-    _assert_variants_bit_identical(case, {"ping-pong, halves": dict(sm90_pingpong=True, sm90_bf16_halves=True)},
-                                   max_logits)
-
-
 @needs_hopper
 def test_sm90_fp32_q_and_out():
     device = torch.device("cuda")

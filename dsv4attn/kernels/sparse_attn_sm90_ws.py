@@ -63,10 +63,6 @@ NUM_WARPS = 4
 WG1_REGS = gl.constexpr(160)
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(128)
-#: ``PING``: warpgroup 1 holds logits and P as well as its half of O; the bf16 producer only
-#: issues ``cp.async`` (warpgroup 0 then gets 208).
-PP_WG1_REGS = gl.constexpr(200)
-PP_PRODUCER_REGS = gl.constexpr(96)
 #: ``DUAL``: each of the two producer warpgroups' registers (warpgroup 0 then gets 192).
 DUAL_PRODUCER_REGS = gl.constexpr(80)
 #: Rows per producer step (half a chunk).
@@ -845,77 +841,19 @@ def _chunk_rows(i, split, num_splits):
 
 
 @gluon.jit
-def _copy_half(k_half, ptrs, valid, full, b):
-    """``HALVES``: copy half of a stage's rows (zero-filled where not ``valid``) with
-    ``cp.async`` and hand it over on ``full[b]``: each thread's copies arrive there when they land,
-    counted before the partition's one arrive, so the producer never waits for a copy."""
-    _async_load(k_half, ptrs, mask=gl.expand_dims(valid, 1))
-    cp.mbarrier_arrive(full.index(b))
-    _cta_barrier()
-    mbarrier.arrive(full.index(b))
-
-
-@gluon.jit
-def _fill_stage(it, k_bufs, valid_bufs, empty, full, rows, d, valid, HALVES: gl.constexpr, PING: gl.constexpr):
-    """bf16 pages: wait for K stage ``it % 2`` to be free and copy chunk ``it``'s rows (``rows``:
-    each row's first element; ``valid``: which rows hold a candidate, the others zero-filled
-    and never read) into it with ``cp.async``, then hand it over. ``HALVES``: by halves of 256
-    columns, each with its own barriers (``empty`` / ``full`` index ``st + 2 h`` for columns
-    ``256 h ..``, the validity going with the first half filled); each half's copies arrive on
-    its full barrier when they land (``cp.async.mbarrier.arrive``), so the second half's copies
-    go out without waiting for the first's. ``PING``: stage 1's columns 256-511 are filled
-    first (its owner, warpgroup 1, starts its logits on them)."""
-    st = it % 2
-    ph = ((it // 2) & 1) ^ 1  # a fresh barrier passes parity 1
-    if HALVES:
-        first = st  # barrier index of the half filled first (columns 256 (first // 2) ..)
-        if PING:  # stage 1's owner (warpgroup 1) starts its logits on columns 256-511: filled first
-            first = 3 * st
-        second = (first + 2) % 4
-        mbarrier.wait(empty.index(first), ph)
-        valid_bufs.index(st).store(valid.to(gl.int8))
-        if first == 3:
-            _copy_half(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), rows + HALF_V + d, valid,
-                       full, first)
-            mbarrier.wait(empty.index(second), ph)
-            _copy_half(k_bufs.index(st).slice(0, HALF_V, dim=1), rows + d, valid, full, second)
-        else:
-            _copy_half(k_bufs.index(st).slice(0, HALF_V, dim=1), rows + d, valid, full, first)
-            mbarrier.wait(empty.index(second), ph)
-            _copy_half(k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), rows + HALF_V + d, valid,
-                       full, second)
-    else:
-        mbarrier.wait(empty.index(st), ph)
-        _async_load(k_bufs.index(st), rows + d, mask=gl.expand_dims(valid, 1))
-        cp.commit_group()
-        valid_bufs.index(st).store(valid.to(gl.int8))
-        cp.wait_group(0)
-        _hand_over(full, st)
-
-
-@gluon.jit
 def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                       cache_ptr, stride_blk, stride_entry, block_size, capacity,
                       idx_ptr, stride_idx, width, len_ptr, bt_ptr, stride_bt, max_blocks, num_reqs, req_ptr,
-                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr, HALVES: gl.constexpr,
-                      PING: gl.constexpr = False):
+                      start_ptr, IS_RANGE: gl.constexpr, HAS_LEN: gl.constexpr):
     """bf16 pages: per chunk, wait for a free K stage, copy the rows straight into it with
     ``cp.async`` (invalid candidates zero-filled, never read), wait for the copies and hand the
     stage over. Nothing to dequantise, so the producer only needs to run one chunk ahead: the
     copy of chunk c+1 lands while the consumers multiply chunk c. Slot lookups read one chunk
-    ahead. ``HALVES``: each stage is refilled by halves of 256 columns, each with its own barriers
-    (``empty`` / ``full`` index ``st`` for columns 0-255, with the validity, ``2 + st`` for
-    256-511): the first half as soon as warpgroup 0 has multiplied it, the second once the
-    logits and warpgroup 1 are done with it. Each half's copies arrive on its full barrier when
-    they land (``cp.async.mbarrier.arrive``), so the second half's copies go out without waiting
-    for the first's."""
+    ahead."""
     start, length, req = _extent(t, width, len_ptr, req_ptr, start_ptr, num_reqs, max_blocks, block_size, IS_RANGE,
                                  HAS_LEN)
     n_mine = _n_mine(length, split, num_splits)
-    if HALVES:
-        d = gl.expand_dims(gl.arange(0, HALF_V, layout=gl.SliceLayout(0, KB4_L)), 0)
-    else:
-        d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
+    d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
     x = _candidate_entry(t, _chunk_rows(0, split, num_splits), idx_ptr, stride_idx, length, bt_ptr, stride_bt,
                          max_blocks, start, req, block_size, IS_RANGE)
     for i in range(n_mine):
@@ -923,8 +861,14 @@ def _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                            IS_RANGE)
         x = _candidate_entry(t, _chunk_rows(i + 1, split, num_splits), idx_ptr, stride_idx, length, bt_ptr,
                              stride_bt, max_blocks, start, req, block_size, IS_RANGE)
-        _fill_stage(it, k_bufs, valid_bufs, empty, full, cache_ptr + gl.expand_dims(blk * stride_blk + off * stride_entry, 1),
-                    d, valid, HALVES, PING)
+        st = it % 2
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        rows = gl.expand_dims(blk * stride_blk + off * stride_entry, 1)
+        _async_load(k_bufs.index(st), cache_ptr + rows + d, mask=gl.expand_dims(valid, 1))
+        cp.commit_group()
+        valid_bufs.index(st).store(valid.to(gl.int8))
+        cp.wait_group(0)
+        _hand_over(full, st)
         it += 1
     return it
 
@@ -940,7 +884,7 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
               B_LEN: gl.constexpr, PREFETCH: gl.constexpr, PAGES_BF16: gl.constexpr, PIPE: gl.constexpr,
               DQ_BITS: gl.constexpr, CLUSTER: gl.constexpr, K_OFF: gl.constexpr, MERGE: gl.constexpr,
-              DUAL: gl.constexpr, W: gl.constexpr, HALVES: gl.constexpr, PING: gl.constexpr = False):
+              DUAL: gl.constexpr, W: gl.constexpr):
     if CLUSTER:  # a cluster CTA: rows 32 * pid_h .. of every chunk, into both CTAs' stages
         peer = 1 - pid_h
         addr = _cl_tile_addr(pid_h, K_OFF, WCO_L if DUAL else WTO_L)
@@ -992,21 +936,12 @@ def _producer(k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
         it = _produce_set_bf16(t * 0, k_bufs, valid_bufs, empty, full, t, split, num_splits,
                                a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity, a_idx_ptr,
                                a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN, HALVES, PING)
+                               a_req_ptr, a_start_ptr, A_RANGE, A_LEN)
         if HAS_B:
-            it = _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
-                                   b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
-                                   b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                                   b_req_ptr, b_start_ptr, B_RANGE, B_LEN, HALVES, PING)
-        if PING:  # an odd count ends with an empty chunk (zero-filled, nothing read): pairs only
-            if it % 2 == 1:
-                if HALVES:
-                    d = gl.expand_dims(gl.arange(0, HALF_V, layout=gl.SliceLayout(0, KB4_L)), 0)
-                else:
-                    d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KB4_L)), 0)
-                none = gl.arange(0, BLOCK_N, layout=KB4_ROW) < 0
-                rows = a_cache_ptr + gl.expand_dims(gl.zeros([BLOCK_N], gl.int32, KB4_ROW), 1)
-                _fill_stage(it, k_bufs, valid_bufs, empty, full, rows, d, none, HALVES, PING)
+            _produce_set_bf16(it, k_bufs, valid_bufs, empty, full, t, split, num_splits,
+                              b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity, b_idx_ptr,
+                              b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
+                              b_req_ptr, b_start_ptr, B_RANGE, B_LEN)
     elif PIPE and MERGE:
         _produce_sets_merged(k_bufs, valid_bufs, empty, full, t, split, num_splits,
                              a_cache_ptr, a_stride_blk, a_block_size, a_capacity, a_idx_ptr, a_stride_idx, a_width,
@@ -1134,16 +1069,12 @@ def _softmax_step(s, valid, qk_scale, m_i, l_i):
 
 @gluon.jit
 def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
-              peer, CLUSTER: gl.constexpr, HALVES: gl.constexpr, LAG: gl.constexpr):
+              peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
     once warpgroup 1 has released it (its multiply of chunk i - 2 is done); then the stage is
-    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)
-    ``HALVES``: the logits start on the stage's first 256 columns while the others land, and the
-    second half is released once they are in. ``LAG``: once chunk i's logits are in, warpgroup 1
-    may multiply chunk i - 1 (``p_ready`` index ``2 + st``), so that its product runs under this
-    chunk's softmax instead of beside the logits."""
+    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)"""
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
@@ -1154,24 +1085,10 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             q_cur = q_all.index(i >> 30)  # (Triton 3.6 hoisted and spilled them here)
         else:
             q_cur = q_all.index(0)
-        if HALVES:
-            s = warpgroup_mma(q_cur.slice(0, HALF_V, dim=1), k_cur.slice(0, HALF_V, dim=1).permute((1, 0)),
-                              gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L), use_acc=False, is_async=True)
-            valid = _chunk_valid(valid_bufs.index(st))
-            mbarrier.wait(full.index(2 + st), (i // 2) & 1)
-            s = warpgroup_mma(q_cur.slice(HALF_V, HALF_V, dim=1), k_cur.slice(HALF_V, HALF_V, dim=1).permute((1, 0)),
-                              s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
-            _cta_barrier()
-            mbarrier.arrive(empty.index(2 + st))
-        else:
-            s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
-                              use_acc=False, is_async=True)
-            valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
-            s = warpgroup_mma_wait(0, deps=[s])
-        if LAG:
-            if i > 0:
-                mbarrier.arrive(p_ready.index(3 - st))
+        s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L),
+                          use_acc=False, is_async=True)
+        valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
+        s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
         o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
@@ -1189,9 +1106,6 @@ def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, 
             _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
         else:
             mbarrier.arrive(empty.index(st))
-    if LAG:
-        if n > 0:  # no logits follow the last chunk
-            mbarrier.arrive(p_ready.index(2 + (n - 1) % 2))
     return o, m_i, l_i
 
 
@@ -1237,132 +1151,6 @@ def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_buf
 
 
 @gluon.jit
-def _masked_logits(s, valid, qk_scale):
-    """``PING``: a chunk's logits scaled to base 2, -inf where ``valid`` is 0."""
-    return gl.where(gl.expand_dims(valid != 0, 0), s * qk_scale, float("-inf"))
-
-
-@gluon.jit
-def _not_inf(m):
-    """A row max usable as an exponent's offset: 0 for a row with nothing valid yet."""
-    return gl.where(m == float("-inf"), 0.0, m)
-
-
-@gluon.jit
-def _pp_logits(q_cur, k_cur, valid_buf, full, empty, ST: gl.constexpr, ph, qk_scale, HALVES: gl.constexpr):
-    """``PING``: a chunk's masked logits from K stage ``ST`` (the stage's owner warpgroup).
-    ``HALVES``: the product starts on the half the producer fills first (stage 0: columns
-    0-255, stage 1: 256-511) while the other lands, and the owner's read of the second half is
-    released once the logits are in."""
-    zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
-    if HALVES:
-        c0: gl.constexpr = ST * HALF_V
-        c1: gl.constexpr = HALF_V - ST * HALF_V
-        mbarrier.wait(full.index(3 * ST), ph)
-        s = warpgroup_mma(q_cur.slice(c0, HALF_V, dim=1), k_cur.slice(c0, HALF_V, dim=1).permute((1, 0)), zero,
-                          use_acc=False, is_async=True)
-        valid = _chunk_valid(valid_buf)
-        mbarrier.wait(full.index(2 - ST), ph)
-        s = warpgroup_mma(q_cur.slice(c1, HALF_V, dim=1), k_cur.slice(c1, HALF_V, dim=1).permute((1, 0)), s,
-                          is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        _cta_barrier()
-        mbarrier.arrive(empty.index(2 - ST))
-    else:
-        mbarrier.wait(full.index(ST), ph)
-        s = warpgroup_mma(q_cur, k_cur.permute((1, 0)), zero, use_acc=False, is_async=True)
-        valid = _chunk_valid(valid_buf)
-        s = warpgroup_mma_wait(0, deps=[s])
-    return _masked_logits(s, valid, qk_scale)
-
-
-@gluon.jit
-def _pp_wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, mx, px, qk_scale,
-                 HALVES: gl.constexpr):
-    """``PING``: warpgroup 0's half of the ping-pong over the split's ``n`` chunks, in pairs.
-    Warpgroup 0 owns the even chunks (K stage 0), warpgroup 1 the odd ones (stage 1): each
-    computes its own chunk's logits, so one's softmax runs while the other's logits or products
-    are on the tensor cores, and each multiplies both chunks' P into its 256 columns of O. Per
-    pair: warpgroup 0's row max ``m0`` goes to warpgroup 1 (``a_bufs[0]``, ``mx[0]``), which
-    answers with the pair's max ``m1`` (``a_bufs[1]``, ``mx[1]``); warpgroup 0 multiplies its P
-    (relative to ``m0``, from registers) with stage 0's columns 0-255, hands P rescaled to ``m1``
-    to warpgroup 1 (``p_bufs[0]``, ``px[0]``), rescales O to ``m1`` and multiplies warpgroup 1's P
-    (``p_bufs[1]``, ``px[1]``) with stage 1's columns 0-255. An odd ``n`` ends with an empty
-    chunk from the producer (zero-filled, all invalid: P 0), so every pair is whole (branching
-    on a missing odd chunk kept two copies of O and spilled). Returns O's columns 0-255, the
-    row max and warpgroup 0's part of the row sum, both relative to that max.
-
-    Stage releases: without ``HALVES`` each stage's empty barrier counts both warpgroups' last
-    reads; with it, per half (``empty[st + 2 h]`` for columns ``256 h ..``): stage 0's first half
-    is warpgroup 0's alone (logits, then its product), its second half the owner's logits and
-    warpgroup 1's product; stage 1 the other way round."""
-    pairs = (n + 1) // 2
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
-    if pairs > 0:
-        s = _pp_logits(q_all.index(0), k_bufs.index(0), valid_bufs.index(0), full, empty, 0, 0, qk_scale, HALVES)
-    for j in range(pairs):
-        ph = j & 1
-        # Buffers through an index ptxas cannot prove constant: with fixed ones it hoisted the
-        # logits' 32 wgmma descriptors out of the loop and spilled them.
-        q_cur = q_all.index(j >> 30)
-        k0 = k_bufs.index(j >> 30)
-        k1 = k_bufs.index(1 + (j >> 30))
-        m0 = gl.maximum(m_i, gl.max(s, axis=1))
-        a_bufs.index(0).store(m0)
-        _cta_barrier()
-        mbarrier.arrive(mx.index(0))
-        m0_safe = _not_inf(m0)
-        alpha = gl.exp2(m_i - m0_safe)
-        p = gl.exp2(s - gl.expand_dims(m0_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        pa = gl.convert_layout(p.to(gl.bfloat16), P_A)
-        o_acc = warpgroup_mma(pa, k0.slice(0, HALF_V, dim=1), o, is_async=True)
-        mbarrier.wait(mx.index(1), ph)
-        m1 = a_bufs.index(1).load(gl.SliceLayout(1, S4_L))
-        scale = gl.exp2(m0 - _not_inf(m1))
-        p_bufs.index(0).store((p * gl.expand_dims(scale, 1)).to(gl.bfloat16))
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(px.index(0))
-        o, pa = warpgroup_mma_wait(0, deps=[o_acc, pa])
-        _cta_barrier()
-        mbarrier.arrive(empty.index(0))
-        l_i = l_i * scale
-        m_i = m1
-        o = o * gl.expand_dims(gl.convert_layout(scale, ROW_O), 1)
-        mbarrier.wait(px.index(1), ph)  # the odd chunk's P from warpgroup 1
-        o_acc = warpgroup_mma(p_bufs.index(1), k1.slice(0, HALF_V, dim=1), o, is_async=True)
-        # The next pair's logits, queued behind that product (after the last pair: on stage 0
-        # as it stands, unused; a branch around the products kept two copies of O and spilled).
-        more = j + 1 < pairs
-        if more:
-            mbarrier.wait(full.index(0), ph ^ 1)
-        zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S4_L)
-        if HALVES:
-            s_acc = warpgroup_mma(q_cur.slice(0, HALF_V, dim=1), k0.slice(0, HALF_V, dim=1).permute((1, 0)), zero,
-                                  use_acc=False, is_async=True)
-        else:
-            s_acc = warpgroup_mma(q_cur, k0.permute((1, 0)), zero, use_acc=False, is_async=True)
-        o = warpgroup_mma_wait(1, deps=[o_acc])
-        _cta_barrier()
-        mbarrier.arrive(empty.index(1))
-        valid = _chunk_valid(valid_bufs.index(0))
-        if HALVES:
-            if more:
-                mbarrier.wait(full.index(2), ph ^ 1)
-            s_acc = warpgroup_mma(q_cur.slice(HALF_V, HALF_V, dim=1), k0.slice(HALF_V, HALF_V, dim=1).permute((1, 0)),
-                                  s_acc, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_acc])
-        if HALVES:
-            if more:
-                _cta_barrier()
-                mbarrier.arrive(empty.index(2))
-        s = _masked_logits(s, valid, qk_scale)
-    return o, m_i, l_i
-
-
-@gluon.jit
 def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem, valid_bufs,
          empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
          out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr, part_lse_ptr,
@@ -1371,11 +1159,9 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr, HALVES: gl.constexpr, LAG: gl.constexpr,
-         PING: gl.constexpr = False):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
-    normalisation factors. ``PING``: the even chunks' S and softmax (:func:`_pp_wg0_loop`;
-    ``p_ready`` / ``p_free`` are its ``mx`` / ``px``), and the row sum with warpgroup 1's part."""
+    normalisation factors."""
     q_smem = q_all.index(0)
     if CLUSTER:  # first: the peer's producer waits for it before its first remote store
         _cl_op(_CL_SYNC, pid_h, pid_h)
@@ -1397,16 +1183,10 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
         o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
         o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
                                           full, p_ready, p_free, qk_scale, 1 - pid_h, CLUSTER)
-    elif PING:
-        o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-        o, m_i, l_i = _pp_wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                                   p_free, qk_scale, HALVES)
-        mbarrier.wait(p_ready.index(1), ((n + 1) // 2) & 1)  # warpgroup 1's part of the row sum
-        l_i = l_i + a_bufs.index(1).load(gl.SliceLayout(1, S4_L))
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
         o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                                p_free, qk_scale, 1 - pid_h, CLUSTER, HALVES, LAG)
+                                p_free, qk_scale, 1 - pid_h, CLUSTER)
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
@@ -1485,11 +1265,9 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr, HALVES: gl.constexpr,
-         LAG: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
-    P buffer and K stage (``HALVES``: its second half) after its multiply. ``LAG``: chunk i's
-    multiply waits until warpgroup 0 has chunk i + 1's logits."""
+    P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
                  A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
@@ -1498,12 +1276,10 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         _cl_op(_CL_SYNC, pid_h, pid_h)
     for i in range(n):
         st = i % 2
-        mbarrier.wait(full.index(2 * HALVES + st), (i // 2) & 1)  # the half it reads
+        mbarrier.wait(full.index(st), (i // 2) & 1)
         if CLUSTER:
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
-        if LAG:
-            mbarrier.wait(p_ready.index(2 + st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
         o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
@@ -1512,7 +1288,7 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
         if CLUSTER:
             _cl_one(_CL_RELEASE, 16 + 8 * st, 1 - pid_h)
         else:
-            mbarrier.arrive(empty.index(2 * HALVES + st))
+            mbarrier.arrive(empty.index(st))
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     mbarrier.wait(fin.index(0), 0)
@@ -1521,65 +1297,6 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
                   stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
     if CLUSTER:  # neither CTA exits while the other may still reach into it
         _cl_op(_CL_WAIT_ALL, pid_h, pid_h)
-
-
-@gluon.jit
-def _pp_wg1(q_all, k_bufs, p_bufs, a_bufs, f_smem, empty, full, mx, px, fin, valid_bufs, qk_scale, t64, pid_h, t,
-            split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
-            a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-            b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-            A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-            WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, HALVES: gl.constexpr):
-    """``PING``: warpgroup 1's half of the ping-pong (:func:`_pp_wg0_loop`): the odd chunks'
-    logits (K stage 1) and softmax, given warpgroup 0's row max; O's columns 256-511 from its
-    own P (registers) and warpgroup 0's (shared memory). After the last pair it hands its part
-    of the row sum to warpgroup 0 (``a_bufs[1]``, ``mx[1]``), then writes its half of the output
-    with warpgroup 0's normalisation factors."""
-    n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
-                 a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                 A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN)
-    o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
-    pairs = (n + 1) // 2
-    for j in range(pairs):
-        ph = j & 1
-        k0 = k_bufs.index(j >> 30)  # as in :func:`_pp_wg0_loop`: no hoisted descriptors
-        k1 = k_bufs.index(1 + (j >> 30))
-        s = _pp_logits(q_all.index(j >> 30), k1, valid_bufs.index(1), full, empty, 1, ph, qk_scale, HALVES)
-        mbarrier.wait(mx.index(0), ph)
-        m1 = gl.maximum(a_bufs.index(0).load(gl.SliceLayout(1, S4_L)), gl.max(s, axis=1))
-        a_bufs.index(1).store(m1)
-        _cta_barrier()
-        mbarrier.arrive(mx.index(1))
-        m1_safe = _not_inf(m1)
-        alpha = gl.exp2(m_i - m1_safe)
-        m_i = m1
-        p = gl.exp2(s - gl.expand_dims(m1_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        p16 = p.to(gl.bfloat16)
-        pa = gl.convert_layout(p16, P_A)
-        o_acc = warpgroup_mma(pa, k1.slice(HALF_V, HALF_V, dim=1), o, is_async=True)
-        p_bufs.index(1).store(p16)
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(px.index(1))
-        mbarrier.wait(px.index(0), ph)
-        o_acc = warpgroup_mma(p_bufs.index(0), k0.slice(HALF_V, HALF_V, dim=1), o_acc, is_async=True)
-        pa = warpgroup_mma_wait(1, deps=[pa])
-        _cta_barrier()
-        mbarrier.arrive(empty.index(1 + 2 * HALVES))
-        o = warpgroup_mma_wait(0, deps=[o_acc])
-        _cta_barrier()
-        mbarrier.arrive(empty.index(2 * HALVES))
-    a_bufs.index(1).store(l_i)  # warpgroup 0 read the last max before it handed over P0
-    _cta_barrier()
-    mbarrier.arrive(mx.index(1))
-    mbarrier.wait(fin.index(0), 0)
-    f = f_smem.load(ROW_O)
-    _store_half_o(o, f, q_all.index(0).slice(HALF_V, HALF_V, dim=1), t64, pid_h, split, num_heads, HALF_V, out_ptr,
-                  stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits, WRITE_PARTIAL, OUT_BF16)
 
 
 @gluon.jit
@@ -1600,7 +1317,6 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
-    HALVES: gl.constexpr = False, LAG: gl.constexpr = False, PING: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
@@ -1619,28 +1335,16 @@ def _sparse_mla_attn_sm90_ws_kernel(
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SMEM)
     f_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC_SMEM)
     valid_bufs = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N], VEC_SMEM)
-    # HALVES: empty / full index 2 + st are the barriers of stage st's second half; LAG: p_ready
-    # index 2 + st tells warpgroup 1 that the logits after stage st's chunk are in.
-    empty = gl.allocate_shared_memory(gl.int64, [4 if HALVES else 2, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [4 if HALVES else 2, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [4 if LAG else 2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        if PING and HALVES:  # stage 0's first half and stage 1's second have one reader each
-            mbarrier.init(empty.index(i), count=1 + i)
-            mbarrier.init(empty.index(2 + i), count=2 - i)
-        else:
-            mbarrier.init(empty.index(i), count=1 if HALVES else 2)  # HALVES: the first half is warpgroup 0's alone
-            if HALVES:
-                mbarrier.init(empty.index(2 + i), count=2)
+        mbarrier.init(empty.index(i), count=2)
         mbarrier.init(full.index(i), count=2 if DUAL else 1)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
-        if HALVES:
-            mbarrier.init(full.index(2 + i), count=1)
-        if LAG:
-            mbarrier.init(p_ready.index(2 + i), count=1)
     mbarrier.init(fin.index(0), count=1)
     if CLUSTER:
         _cl_one(_CL_INIT, t, t)
@@ -1654,8 +1358,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
-                    False, False)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -1669,7 +1372,7 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 0, HALVES)),
+                         MERGE, DUAL, 0)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1678,33 +1381,8 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 1, HALVES)),
+                         MERGE, DUAL, 1)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [WG1_REGS, DUAL_PRODUCER_REGS, DUAL_PRODUCER_REGS])
-    elif PING:  # bf16 pages: the two consumers take turns (:func:`_pp_wg0_loop`)
-        gl.warp_specialize([
-            (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
-                    valid_bufs, empty, full, p_ready, p_free, fin, t, split, num_splits, qk_scale,
-                    out_ptr, stride_o_t, stride_o_h, lse_ptr, stride_lse_t, max_ptr, stride_max_t, part_o_ptr,
-                    part_lse_ptr, sink_ptr, split_base, total_splits,
-                    a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
-                    b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, False, False,
-                    HALVES, False, True)),
-            (_pp_wg1, (q_all, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, valid_bufs, qk_scale,
-                       t64, pid_h, t, split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr,
-                       split_base, total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs,
-                       a_req_ptr, a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr,
-                       b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, HALVES)),
-            (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
-                         a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
-                         a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
-                         a_req_ptr, a_start_ptr,
-                         b_cache_ptr, b_stride_blk, b_stride_entry, b_block_size, b_capacity,
-                         b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
-                         b_req_ptr, b_start_ptr,
-                         A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, True, False, DQ_BITS, False, K_OFF,
-                         False, False, 0, HALVES, True)),
-        ], [4, PRODUCER_WARPS], [PP_WG1_REGS, PP_PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_wg0, (q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_bufs, a_bufs, f_smem,
@@ -1713,13 +1391,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
-                    HALVES, LAG)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
             (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                     num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER, HALVES, LAG)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1728,5 +1405,5 @@ def _sparse_mla_attn_sm90_ws_kernel(
                          b_idx_ptr, b_stride_idx, b_width, b_len_ptr, b_bt_ptr, b_stride_bt, b_max_blocks, b_num_reqs,
                          b_req_ptr, b_start_ptr,
                          A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, PREFETCH, PAGES_BF16, PIPE, DQ_BITS, CLUSTER, K_OFF,
-                         MERGE, DUAL, 0, HALVES)),
+                         MERGE, DUAL, 0)),
         ], [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])

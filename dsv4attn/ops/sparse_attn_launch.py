@@ -117,28 +117,6 @@ class KernelConfig:
     #: 32, and 1.13-1.20x FlashMLA on its prefill rows against 1.08-1.10x (docs/benchmarks.md,
     #: Table 59): off.
     sm90_qreg_col_copies: bool = False
-    #: On bf16 pages, the warp-specialised kernel's producer refills each K stage by halves of
-    #: 256 columns with their own barriers: the first half once warpgroup 0 has multiplied it,
-    #: the second once the logits and warpgroup 1 are done with it; warpgroup 0 starts a chunk's
-    #: logits on the first half while the second lands. Bit-identical either way. 6-12% slower on
-    #: the prefill rows while the producer waited for each half's copies (docs/benchmarks.md,
-    #: Table 84); they now complete on the halves' barriers, not yet measured: off.
-    sm90_bf16_halves: bool = False
-    #: In the warp-specialised kernel with one producer (bf16 pages, and fp8 pages without
-    #: ``sm90_dual_producer``), warpgroup 1 multiplies chunk i only once warpgroup 0 has chunk
-    #: i + 1's logits, so that its half of ``P V`` runs under warpgroup 0's softmax instead of
-    #: beside the logits. Alone it is 12-15% slower on the prefill rows (the stage it holds is
-    #: refilled too late; docs/benchmarks.md, Table 82); meant for ``sm90_bf16_halves``,
-    #: where only the second half waits. Bit-identical either way: off.
-    sm90_wg1_lag: bool = False
-    #: On bf16 pages, the warp-specialised kernel's two consumer warpgroups take turns, as in
-    #: FlashMLA's prefill: each computes every other chunk's logits and softmax (the pair's row
-    #: max exchanged through shared memory) and multiplies both chunks' P into its 256 columns
-    #: of O, so one's softmax runs while the other's products are on the tensor cores. With
-    #: ``sm90_bf16_halves`` the halves are refilled in the order the owners read them;
-    #: ``sm90_wg1_lag`` does not apply. Not bit-identical to the default (the row sums add up
-    #: in another order). Not yet measured: off.
-    sm90_pingpong: bool = False
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
@@ -428,10 +406,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
-                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         HALVES=cfg.sm90_bf16_halves and not a.is_fp8,
-                         LAG=cfg.sm90_wg1_lag and not dual and not (cfg.sm90_pingpong and not a.is_fp8),
-                         PING=cfg.sm90_pingpong and not a.is_fp8)
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
