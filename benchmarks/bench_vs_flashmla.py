@@ -324,15 +324,14 @@ def print_results(results: list[Result], ceil: Ceilings, have_fm: bool) -> None:
 def override_kernel_config(spec: str) -> None:
     """Change the KernelConfig fields ``spec`` ("field=value,...") in every config that the
     attention dispatch picks, for this process."""
-    import ast
     import dataclasses
 
     from dsv4attn.ops import sparse_attn_launch
 
-    over = {k.strip(): ast.literal_eval(v.strip()) for k, v in (kv.split("=") for kv in spec.split(","))}
-    fields = {f.name for f in dataclasses.fields(sparse_attn_launch.KernelConfig)}
-    if not set(over) <= fields:
-        raise SystemExit(f"--kernel-config: no KernelConfig field {sorted(set(over) - fields)}")
+    try:
+        over = sparse_attn_launch.kernel_config_changes(spec)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--kernel-config: {e}") from None
     pick = sparse_attn_launch.kernel_config
     sparse_attn_launch.kernel_config = lambda *a, **k: dataclasses.replace(pick(*a, **k), **over)
     print(f"KernelConfig overridden: {over}")

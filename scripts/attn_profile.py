@@ -15,13 +15,12 @@ profiled on one machine.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 
 import torch
 
 from benchmarks.bench_vs_flashmla import SCALE, D
-from dsv4attn.ops.sparse_attn_launch import kernel_config, launch
+from dsv4attn.ops.sparse_attn_launch import kernel_config, kernel_config_changes, launch
 from dsv4attn.ops.candidate_set import CandidateSet
 from scripts.attn_variants import prefill_inputs, sets_for
 
@@ -37,6 +36,7 @@ def main() -> None:
     ap.add_argument("--flashmla", default="", metavar="PATH",
                     help="run FlashMLA's decode, or with --prefill its prefill (built package at PATH)")
     a = ap.parse_args()
+    over = kernel_config_changes(a.config)  # checked before anything runs
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.prefill:
         kv, idx, q, sink, lengths = prefill_inputs(a.batch, a.heads, a.prefill, gen)
@@ -53,7 +53,6 @@ def main() -> None:
         return
     out = torch.empty_like(q)
     lse = torch.empty(a.batch, a.heads, device="cuda")
-    over = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in a.config.split(",") if kv)}
     width = a.prefill or 640
     cfg = dataclasses.replace(kernel_config(a.batch, a.heads, D, width, q.device), sm90_skip=a.skip, **over)
     for _ in range(a.launches):

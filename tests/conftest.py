@@ -37,12 +37,11 @@ def _kernel_config_overrides():
     if not spec:
         yield
         return
-    import ast
     import dataclasses
 
     from dsv4attn.ops import sparse_attn_launch
 
-    over = {k.strip(): ast.literal_eval(v.strip()) for k, v in (kv.split("=") for kv in spec.split(","))}
+    over = sparse_attn_launch.kernel_config_changes(spec)  # a bad spec fails here, once
     pick = sparse_attn_launch.kernel_config
 
     def patched(*args, **kwargs):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from dsv4attn.ops.candidate_set import CandidateSet
 from dsv4attn.ops.sparse_attn import sparse_mla_attention
-from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, launch, pick_splits
+from dsv4attn.ops.sparse_attn_launch import KernelConfig, kernel_config, kernel_config_changes, launch, pick_splits
 from dsv4attn.testing.attention_oracle import (
     PROD_LAYOUT,
     SMALL_LAYOUT,
@@ -210,6 +210,28 @@ def test_lazy_rescale_matches_oracle(num_heads, device):
         launch(q.to(device), [b.cset for b in built], 0.6, sink.to(device), out, lse, None, None,
                 KernelConfig(16 if num_heads <= 16 else 32, 16, splits, 4, 1, True))
         assert_matches(out, lse, ref, base, f"lazy splits {splits}")
+
+
+def test_kernel_config_changes_are_checked_before_use():
+    """``"field=value,..."`` (the benchmarks' --kernel-config, DSV4ATTN_TEST_KERNEL_CONFIG) gives
+    the fields with their literal values; a name that is no field, among them the switches removed
+    after measurement, is refused naming it, and so are a value of the wrong type (a bool field
+    given 1, an int field given True), a value that is no literal and an item without ``=``."""
+    assert kernel_config_changes("") == {}
+    assert kernel_config_changes(" sm90_cluster=False, num_splits=2 ,") == {"sm90_cluster": False, "num_splits": 2}
+    for removed in ("sm90_q_ahead", "sm90_wg1_lag", "sm90_bf16_halves", "sm90_pingpong"):
+        with pytest.raises(ValueError, match=f"no field '{removed}'"):
+            kernel_config_changes(f"sm90_cluster=False,{removed}=True")
+        with pytest.raises(TypeError, match=removed):
+            KernelConfig(64, 64, 1, 4, 1, **{removed: True})
+    with pytest.raises(TypeError, match="sm90_cluster takes bool"):
+        kernel_config_changes("sm90_cluster=1")
+    with pytest.raises(TypeError, match="num_splits takes int"):
+        kernel_config_changes("num_splits=True")
+    with pytest.raises(ValueError, match="'Fals' is not a Python literal"):
+        kernel_config_changes("sm90_cluster=Fals")
+    with pytest.raises(ValueError, match="expected field=value"):
+        kernel_config_changes("sm90_cluster")
 
 
 def test_pick_splits_fills_waves():

@@ -10,9 +10,11 @@ layouts and the device, cached (LRU) to keep the host cost of an eager call low.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import math
+import typing
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,6 +122,35 @@ class KernelConfig:
     #: Profiling only (scripts/attn_variants.py): parts of the single-partition sm90 kernel to
     #: skip (1 dequant, 2 MMAs, 4 page gathers); 0 in every production config.
     sm90_skip: int = 0
+
+
+def kernel_config_changes(spec: str) -> dict[str, bool | int]:
+    """KernelConfig fields to change, from ``spec`` = ``"field=value,..."`` (values as Python
+    literals, e.g. ``"sm90_cluster=False,num_splits=2"``; empty: none), as the benchmarks,
+    profiling scripts and ``DSV4ATTN_TEST_KERNEL_CONFIG`` take them. Every name is checked against
+    the fields and every value against the field's type before anything is changed: a name that
+    is no field (one of a removed switch, say) is a ``ValueError`` naming it, a value of the
+    wrong type a ``TypeError``."""
+    fields = typing.get_type_hints(KernelConfig)  # every field is a bool or an int
+    changes: dict[str, bool | int] = {}
+    for item in (i.strip() for i in spec.split(",")):
+        if not item:
+            continue
+        name, eq, text = (x.strip() for x in item.partition("="))
+        if not eq or not name:
+            raise ValueError(f"kernel config change {item!r}: expected field=value")
+        if name not in fields:
+            raise ValueError(f"kernel config change {item!r}: KernelConfig has no field {name!r} "
+                             f"(fields: {', '.join(sorted(fields))})")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"kernel config change {item!r}: {text!r} is not a Python literal") from None
+        if type(value) is not fields[name]:  # bool is no int here, nor int a bool
+            raise TypeError(f"kernel config change {item!r}: {name} takes {fields[name].__name__} values, "
+                            f"got {type(value).__name__}")
+        changes[name] = value
+    return changes
 
 
 def kernel_config(
