@@ -88,6 +88,45 @@ def compile_all(path: str, targets: list[int]) -> int:
     return failures
 
 
+def sm90_source(kernel, const: dict, bf16: bool, ones: tuple[str, ...] = ()):
+    """The compile source of one variant of a Gluon sm90 attention kernel: ``const`` its
+    constexprs (every other one at its default, as a launch that omits it; ``const`` is
+    completed in place), bf16 or fp8 pages, and the integer arguments in ``ones`` equal to 1
+    (Triton makes them constants at launch, e.g. the block size of pages of one row)."""
+    import inspect
+
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(kernel.arg_names)
+    for i in kernel.constexprs:
+        default = inspect.signature(kernel.fn).parameters[names[i]].default
+        if names[i] not in const and default is not inspect.Parameter.empty:
+            const[names[i]] = default
+    spec = dict(const, **{a: 1 for a in ones})
+    sig = {}
+    for a in names:
+        if a in spec:
+            sig[a] = "constexpr"
+        elif a.endswith("_ptr"):
+            if "cache" in a:
+                sig[a] = "*bf16" if bf16 else "*u8"
+            elif a in ("q_ptr", "out_ptr"):
+                sig[a] = "*bf16"
+            elif any(x in a for x in ("idx", "len", "bt", "req", "start")):
+                sig[a] = "*i32"
+            else:
+                sig[a] = "*fp32"
+        else:
+            sig[a] = "fp32" if a == "qk_scale" else "i32"
+    # What Triton's specialisation proves at launch for production caches: 16-aligned pointers,
+    # block / entry / row strides that are multiples of 16 (uses_sm90 requires it).
+    div = [i for i, a in enumerate(names) if a not in spec and (a.endswith("_ptr") or a in (
+        "a_stride_blk", "b_stride_blk", "a_stride_entry", "b_stride_entry", "stride_q_t", "stride_q_h",
+        "stride_o_t", "stride_o_h"))]
+    return GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in spec.items()},
+                          {(i,): [["tt.divisibility", 16]] for i in div})
+
+
 def compile_sm90() -> int:
     """Compile the Gluon sm90 kernels' variants for sm_90a (what dispatch can launch): the
     single-partition kernel and the warp-specialised one (page kind x set forms x partial
@@ -95,12 +134,10 @@ def compile_sm90() -> int:
     producer warpgroups, each but the merged sets also as the two-CTA cluster; the cluster's K-stage offset is checked
     against what its inline PTX assumes), and the q-in-registers kernel of bf16 pages (its
     copies by rows or by columns)."""
-    import inspect
     import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from dsv4attn.kernels import sparse_attn_sm90, sparse_attn_sm90_qreg, sparse_attn_sm90_ws
 
@@ -128,32 +165,7 @@ def compile_sm90() -> int:
             const.update({k: v for k, v in (("PAGES_BF16", bf16), ("PREFETCH", True), ("SKIP", 0), ("PIPE", pipe),
                                             ("CLUSTER", cluster), ("MERGE", merge), ("DUAL", dual), ("COL_COPIES", cols))
                           if k in names})
-            for i in kernel.constexprs:  # every other constexpr at its default, as a launch that omits it
-                default = inspect.signature(kernel.fn).parameters[names[i]].default
-                if names[i] not in const and default is not inspect.Parameter.empty:
-                    const[names[i]] = default
-            sig = {}
-            for a in names:
-                if a in const:
-                    sig[a] = "constexpr"
-                elif a.endswith("_ptr"):
-                    if "cache" in a:
-                        sig[a] = "*bf16" if bf16 else "*u8"
-                    elif a in ("q_ptr", "out_ptr"):
-                        sig[a] = "*bf16"
-                    elif any(x in a for x in ("idx", "len", "bt", "req", "start")):
-                        sig[a] = "*i32"
-                    else:
-                        sig[a] = "*fp32"
-                else:
-                    sig[a] = "fp32" if a == "qk_scale" else "i32"
-            # What Triton's specialisation proves at launch for production caches: 16-aligned
-            # pointers, block / entry / row strides that are multiples of 16 (uses_sm90 requires it).
-            div = [i for i, a in enumerate(names) if a.endswith("_ptr") or a in (
-                "a_stride_blk", "b_stride_blk", "a_stride_entry", "b_stride_entry", "stride_q_t", "stride_q_h",
-                "stride_o_t", "stride_o_h")]
-            src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in const.items()},
-                                 {(i,): [["tt.divisibility", 16]] for i in div})
+            src = sm90_source(kernel, const, bf16)
             n += 1
             try:
                 ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))

@@ -80,3 +80,20 @@ def test_vs_flashmla_decode_sweep_fits_each_library(tmp_path):
     assert [c for c, _ in pts] == [2, 3]
     for c, t in pts:
         assert fits[0]["fixed_us"] + c * fits[0]["per_chunk_us"] == pytest.approx(t, rel=1e-9)
+
+
+def test_ws_sass_counts_the_kernels_loops_offline():
+    """``scripts.ws_sass`` compiles the warp-specialised kernel's prefill form for sm_90a with the
+    installed Triton and its bundled ptxas / nvdisasm, and finds the three partitions' loops and
+    the logits warpgroup's window (Table 88's census, without a GPU)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)  # a compile for sm_90a, not the interpreter the suite runs under
+    res = subprocess.run([sys.executable, "-m", "scripts.ws_sass"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    assert "spill" in out and "registers" in out, out
+    loops = {ln.split(":")[0]: int(ln.split(": ")[1].split()[0]) for ln in out.splitlines() if "per iteration" in ln}
+    assert set(loops) == {"logits warpgroup", "P V warpgroup", "producer"}, out
+    window = re.search(r"window \(logits done -> P V issued\): (\d+) instructions", out)
+    assert window is not None and 0 < int(window[1]) < loops["logits warpgroup"], out
