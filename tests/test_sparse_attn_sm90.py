@@ -96,10 +96,10 @@ def test_sm90_matches_fp64_oracle_and_portable_kernel(case, variant):
     torch.testing.assert_close(lse, p_lse, atol=1e-4, rtol=1e-5)
 
 
-def _launch_variants(case, variants: dict, scale: float = 0.09, max_logits: bool = False, after_launch=None):
+def _assert_variants_bit_identical(case, variants: dict, max_logits: bool = False, after_launch=None) -> None:
     """Launch ``case`` once per named change of its KernelConfig (``{name: fields}``), into
-    NaN-filled outputs; ``after_launch(name)`` runs after each launch. Returns q, the built sets,
-    the sink and ``[(name, out, lse, max logits or None)]``."""
+    NaN-filled outputs: out, lse (and max logits) of every variant equal the first one's bit for
+    bit, and the last one's match the fp64 oracle. ``after_launch(name)`` runs after each launch."""
     device = torch.device("cuda")
     q, built, sink, num_splits = _inputs(case, device)
     num_tokens, num_heads, d = q.shape
@@ -112,17 +112,10 @@ def _launch_variants(case, variants: dict, scale: float = 0.09, max_logits: bool
         out = torch.full_like(qd, float("nan"))
         lse = torch.full((num_tokens, num_heads), float("nan"), dtype=torch.float32, device=device)
         mx = torch.full_like(lse, float("nan")) if max_logits else None
-        launch(qd, sets, scale, sk, out, lse, mx, num_splits, config=dataclasses.replace(base, **fields))
+        launch(qd, sets, 0.09, sk, out, lse, mx, num_splits, config=dataclasses.replace(base, **fields))
         if after_launch is not None:
             after_launch(name)
         res.append((name, out, lse, mx))
-    return q, built, sink, res
-
-
-def _assert_variants_bit_identical(case, variants: dict, max_logits: bool = False, after_launch=None) -> None:
-    """:func:`_launch_variants`: out, lse (and max logits) of every variant equal the first one's
-    bit for bit, and the last one's match the fp64 oracle."""
-    q, built, sink, res = _launch_variants(case, variants, 0.09, max_logits, after_launch)
     first = res[0]
     for name, out, lse, mx in res[1:]:
         assert torch.equal(out, first[1]) and torch.equal(lse, first[2]), f"{name} against {first[0]}"
@@ -629,56 +622,6 @@ def test_sm90_qreg_dispatch(monkeypatch, device, fp8, ws, switch, want):
                                    sm90_qreg_col_copies=cols))
     assert asked == [want, want]
     assert [kw.get("COL_COPIES") for kw in consts] == ([False, True] if want else [None, None])
-
-
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-def test_sm90_lazy_rescale_dispatch(monkeypatch, device, fp8):
-    """Dispatch of ``lazy_rescale``: only the warp-specialised sm90 kernel has it (with the
-    single-partition or the q-in-registers kernel picked, the portable kernel runs), and it gets
-    ``LAZY`` only for a positive scale (its row max is taken before scaling)."""
-    from dsv4attn.ops import sparse_attn_launch as sl
-
-    gen = torch.Generator().manual_seed(17)
-    sets = [build_set(SetSpec("indices", fp8, 64, 64), 2, [0, 0], PROD_LAYOUT, gen, device).cset]
-    lazy = KernelConfig(64, 64, 1, 8, 1, lazy_rescale=True, sm90=True)
-    assert uses_sm90(lazy, sets, PROD_LAYOUT)
-    assert not uses_sm90(dataclasses.replace(lazy, sm90_ws=False, sm90_ws_bf16=False), sets, PROD_LAYOUT)
-    assert uses_sm90(dataclasses.replace(lazy, sm90_bf16_qreg=True), sets, PROD_LAYOUT) is fp8
-    assert not uses_sm90(lazy, [], PROD_LAYOUT)
-
-    seen = []
-
-    class _Ok:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs)
-
-    q = torch.randn(2, 64, PROD_LAYOUT.head_dim, generator=gen).to(torch.bfloat16).to(device)
-    monkeypatch.setattr(sl, "_sm90_kernel", lambda w, qreg=False: (_Ok(), 4))
-    monkeypatch.setattr(sl, "uses_sm90", lambda *a: True)
-    monkeypatch.setattr(sl, "_sm90_failures", [])
-    for cfg, scale in ((lazy, 0.1), (lazy, -0.1), (lazy, 0.0), (dataclasses.replace(lazy, lazy_rescale=False), 0.1)):
-        launch(q, sets, scale, None, torch.empty_like(q), torch.empty(2, 64, device=device), None, 1, config=cfg)
-    assert [kw["LAZY"] for kw in seen] == [True, False, False, False]
-
-
-@needs_hopper
-@pytest.mark.parametrize("scale", [0.09, 0.6], ids=["scale0.09", "scale0.6"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sm90_lazy_rescale_matches_oracle(case, scale):
-    """``lazy_rescale`` in the warp-specialised kernel (every producer and consumer form the
-    default config picks: fp8 pages with two producers, the h128 cluster, bf16 pages): out and lse
-    against the fp64 oracle, and the max logits (without split-KV) bit-identical to those of the
-    kernel without it (both are the exact running max). At scale 0.6 the logits spread over
-    tens of log2 units, so rows move their offsets after the first chunk as well and O is
-    rescaled mid-split; at 0.09 almost no chunk after the first moves one."""
-    max_logits = case[4] == 1  # max logits are written without split-KV only
-    q, built, sink, res = _launch_variants(case, {"lazy": dict(lazy_rescale=True), "without": dict(lazy_rescale=False)},
-                                           scale, max_logits)
-    (_, out, lse, mx), (_, _, _, mx_ref) = res
-    ref = oracle(q, built, scale, sink)
-    assert_matches(out, lse, ref, oracle(q, built, scale, sink, low_precision=True), case[0])
-    if max_logits:
-        assert torch.equal(mx, mx_ref)
 
 
 @needs_hopper

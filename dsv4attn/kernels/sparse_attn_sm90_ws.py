@@ -54,7 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dsv4attn.kernels.common import BF16X2_2POW120, BF16X2_NEG_ZERO, e4m3_bits_ptx
 from dsv4attn.kernels.sparse_attn_gather import _candidate_entry, _candidate_place
 from dsv4attn.kernels.sparse_attn_sm90 import (
-    LN2,
     BLOCK_H, BLOCK_N, HEAD_DIM, MMA_SMEM, NOPE, VEC_SMEM, _async_load, _cta_barrier, _extent, _row_stats,
 )
 
@@ -1068,47 +1067,21 @@ def _softmax_step(s, valid, qk_scale, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
-#: Lazy rescaling (``LAZY``): a row's softmax offset moves only once its max has grown past it by
-#: more than this (log2 units), so P <= 2^8.
-LAZY_GROWTH = gl.constexpr(8.0)
-
-
 @gluon.jit
-def _softmax_step_lazy(s, valid, qk_scale, m_i, m_top, l_i):
-    """:func:`_softmax_step` with lazy rescaling (``LAZY``, for ``qk_scale > 0``): row r's offset
-    ``m_i`` moves to its running max ``m_top`` only when that has grown past it by more than 2^8
-    (LAZY_GROWTH), so P <= 2^8 (bf16 keeps its relative precision at any scale; fp32 sums hold
-    it) and after a split's first chunk almost no chunk moves any row: its rescale factors are
-    then exactly 1 and the caller skips the rescale of O. lse stays ``m_i + log2(l)``; ``m_top``
-    (the true running max, base 2) gives the max logits. The logits are masked unscaled and scaled
-    inside the exponent's argument (one fused multiply-add), the row max scaled once per row."""
-    s = gl.where(gl.expand_dims(valid != 0, 0), s, float("-inf"))
-    m_top = gl.maximum(m_top, gl.max(s, axis=1) * qk_scale)  # = max(s * qk_scale): qk_scale > 0
-    moved = m_top > m_i + LAZY_GROWTH  # never for a row with nothing valid yet (-inf > -inf)
-    m_new = gl.where(moved, m_top, m_i)
-    alpha = gl.where(moved, gl.exp2(m_i - m_new), 1.0)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_safe, 1))
-    return p, alpha, m_new, m_top, l_i * alpha + gl.sum(p, axis=1)
-
-
-@gluon.jit
-def _wg0_loop(n, o, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
-              qk_scale, peer, CLUSTER: gl.constexpr, LAZY: gl.constexpr):
+def _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free, qk_scale,
+              peer, CLUSTER: gl.constexpr):
     """Warpgroup 0's walk over the split's ``n`` chunks (both sets, in the producer's order):
     ``S = q K^T``, the online softmax (base 2), ``O[:, :256] += P V`` issued asynchronously, and
     while it runs, P and the rescale factors handed to warpgroup 1 through P buffer ``i % 2``
     once warpgroup 1 has released it (its multiply of chunk i - 2 is done); then the stage is
-    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)
-    With ``LAZY`` (:func:`_softmax_step_lazy`) O is rescaled only in chunks that move some row's
-    offset (a warpgroup-wide test), and ``m_top`` carries the true running max."""
+    released. (Issuing chunk i + 1's logits behind ``P V`` as well measured slower on the H200.)"""
     for i in range(n):
         st = i % 2
         mbarrier.wait(full.index(st), (i // 2) & 1)
         if CLUSTER:  # the peer's half of the chunk
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         k_cur = k_bufs.index(st)
-        if CLUSTER or LAZY:  # q through an index ptxas cannot prove 0: keeps its wgmma descriptors in the loop
+        if CLUSTER:  # q through an index ptxas cannot prove 0: keeps its wgmma descriptors in the loop
             q_cur = q_all.index(i >> 30)  # (Triton 3.6 hoisted and spilled them here)
         else:
             q_cur = q_all.index(0)
@@ -1116,16 +1089,9 @@ def _wg0_loop(n, o, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, 
                           use_acc=False, is_async=True)
         valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
         s = warpgroup_mma_wait(0, deps=[s])
-        if LAZY:
-            p, alpha, m_i, m_top, l_i = _softmax_step_lazy(s, valid, qk_scale, m_i, m_top, l_i)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
-        if LAZY:
-            if gl.min(alpha, axis=0) < 1.0:  # some row's offset moved
-                o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        else:
-            o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
         pa = gl.convert_layout(p16, P_A)
         o_acc = warpgroup_mma(pa, k_cur.slice(0, HALF_V, dim=1), o, is_async=True)
         mbarrier.wait(p_free.index(st), ((i // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -1140,12 +1106,12 @@ def _wg0_loop(n, o, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, 
             _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
         else:
             mbarrier.arrive(empty.index(st))
-    return o, m_i, m_top, l_i
+    return o, m_i, l_i
 
 
 @gluon.jit
-def _wg0_loop_dual(n, o0, o1, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
-                   p_free, qk_scale, peer, CLUSTER: gl.constexpr, LAZY: gl.constexpr):
+def _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready, p_free,
+                   qk_scale, peer, CLUSTER: gl.constexpr):
     """:func:`_wg0_loop` with its half of O as two [64, 128] accumulators (``DUAL``)."""
     for i in range(n):
         st = i % 2
@@ -1153,7 +1119,7 @@ def _wg0_loop_dual(n, o0, o1, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, va
         if CLUSTER:  # the peer's half of the chunk
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         k_cur = k_bufs.index(st)
-        if CLUSTER or LAZY:  # q through an index ptxas cannot prove 0 (see _wg0_loop)
+        if CLUSTER:  # q through an index ptxas cannot prove 0 (see _wg0_loop)
             q_cur = q_all.index(i >> 30)
         else:
             q_cur = q_all.index(0)
@@ -1161,20 +1127,11 @@ def _wg0_loop_dual(n, o0, o1, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, va
                           use_acc=False, is_async=True)
         valid = _chunk_valid(valid_bufs.index(st))  # read while the logits are computed
         s = warpgroup_mma_wait(0, deps=[s])
-        if LAZY:
-            p, alpha, m_i, m_top, l_i = _softmax_step_lazy(s, valid, qk_scale, m_i, m_top, l_i)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, valid, qk_scale, m_i, l_i)
         p16 = p.to(gl.bfloat16)
-        if LAZY:
-            if gl.min(alpha, axis=0) < 1.0:  # some row's offset moved
-                a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
-                o0 = o0 * a2
-                o1 = o1 * a2
-        else:
-            a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
-            o0 = o0 * a2
-            o1 = o1 * a2
+        a2 = gl.expand_dims(gl.convert_layout(alpha, ROW_O2), 1)
+        o0 = o0 * a2
+        o1 = o1 * a2
         pa = gl.convert_layout(p16, P_A2)
         acc0 = warpgroup_mma(pa, k_cur.slice(0, QV, dim=1), o0, is_async=True)
         acc1 = warpgroup_mma(pa, k_cur.slice(QV, QV, dim=1), o1, is_async=True)
@@ -1190,7 +1147,7 @@ def _wg0_loop_dual(n, o0, o1, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, va
             _cl_one(_CL_RELEASE, 16 + 8 * st, peer)
         else:
             mbarrier.arrive(empty.index(st))
-    return o0, o1, m_i, m_top, l_i
+    return o0, o1, m_i, l_i
 
 
 @gluon.jit
@@ -1202,7 +1159,7 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
          HAS_SINK: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, WRITE_MAX: gl.constexpr,
-         CLUSTER: gl.constexpr, DUAL: gl.constexpr, LAZY: gl.constexpr):
+         CLUSTER: gl.constexpr, DUAL: gl.constexpr):
     """Warpgroup 0: q, S, softmax, the first half of O, the row statistics and the epilogue's
     normalisation factors."""
     q_smem = q_all.index(0)
@@ -1220,28 +1177,23 @@ def _wg0(q_ptr, stride_q_t, stride_q_h, num_heads, t64, pid_h, q_all, k_bufs, p_
     fence_async_shared()
     _cta_barrier()
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S4_L))
-    m_top = m_i  # LAZY: the true running max (m_i is then the softmax offset)
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S4_L))
     if DUAL:
         o0 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
         o1 = gl.zeros([BLOCK_H, QV], gl.float32, O2_L)
-        o0, o1, m_i, m_top, l_i = _wg0_loop_dual(n, o0, o1, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs,
-                                                 valid_bufs, empty, full, p_ready, p_free, qk_scale, 1 - pid_h,
-                                                 CLUSTER, LAZY)
+        o0, o1, m_i, l_i = _wg0_loop_dual(n, o0, o1, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
+                                          full, p_ready, p_free, qk_scale, 1 - pid_h, CLUSTER)
     else:
         o = gl.zeros([BLOCK_H, HALF_V], gl.float32, O4_L)
-        o, m_i, m_top, l_i = _wg0_loop(n, o, m_i, m_top, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty,
-                                       full, p_ready, p_free, qk_scale, 1 - pid_h, CLUSTER, LAZY)
+        o, m_i, l_i = _wg0_loop(n, o, m_i, l_i, q_all, k_bufs, p_bufs, a_bufs, valid_bufs, empty, full, p_ready,
+                                p_free, qk_scale, 1 - pid_h, CLUSTER)
     if CLUSTER:  # its last remote arrive is issued
         _cl_op(_CL_ARRIVE, pid_h, pid_h)
     # Row statistics -> normalisation factor f (published for warpgroup 1) and lse / max logits.
-    h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-    f = _row_stats(gl.convert_layout(m_i, ROW_O), gl.convert_layout(l_i, ROW_O), h, t64, split, num_heads, lse_ptr,
+    f = _row_stats(gl.convert_layout(m_i, ROW_O), gl.convert_layout(l_i, ROW_O),
+                   pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O), t64, split, num_heads, lse_ptr,
                    stride_lse_t, max_ptr, stride_max_t, part_lse_ptr, sink_ptr, split_base, total_splits, HAS_SINK,
-                   WRITE_PARTIAL, WRITE_MAX and not LAZY)
-    if LAZY and WRITE_MAX and not WRITE_PARTIAL:  # the max logits from the true running max
-        gl.store(max_ptr + t64 * stride_max_t + gl.where(h < num_heads, h, 0),
-                 gl.convert_layout(m_top, ROW_O) * LN2, mask=h < num_heads)
+                   WRITE_PARTIAL, WRITE_MAX)
     f_smem.store(f)
     _cta_barrier()
     mbarrier.arrive(fin.index(0))
@@ -1265,8 +1217,7 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
               a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
               b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
               A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr,
-              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr,
-              LAZY: gl.constexpr):
+              B_LEN: gl.constexpr, WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """:func:`_wg1` of ``DUAL``: its half of O (columns 256-511) as two [64, 128] accumulators."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                  a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
@@ -1281,14 +1232,9 @@ def _wg1_dual(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_fr
         if CLUSTER:
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
-        alpha = a_bufs.index(st).load(ROW_O2)
-        if LAZY:
-            if gl.min(alpha, axis=0) < 1.0:  # warpgroup 0 moved some row's offset
-                o0 = o0 * gl.expand_dims(alpha, 1)
-                o1 = o1 * gl.expand_dims(alpha, 1)
-        else:
-            o0 = o0 * gl.expand_dims(alpha, 1)
-            o1 = o1 * gl.expand_dims(alpha, 1)
+        alpha = gl.expand_dims(a_bufs.index(st).load(ROW_O2), 1)
+        o0 = o0 * alpha
+        o1 = o1 * alpha
         k_cur = k_bufs.index(st)
         acc0 = warpgroup_mma(p_bufs.index(st), k_cur.slice(HALF_V, QV, dim=1), o0, is_async=True)
         acc1 = warpgroup_mma(p_bufs.index(st), k_cur.slice(HALF_V + QV, QV, dim=1), o1, is_async=True)
@@ -1319,7 +1265,7 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
          a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
          b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
          A_RANGE: gl.constexpr, A_LEN: gl.constexpr, HAS_B: gl.constexpr, B_RANGE: gl.constexpr, B_LEN: gl.constexpr,
-         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr, LAZY: gl.constexpr):
+         WRITE_PARTIAL: gl.constexpr, OUT_BF16: gl.constexpr, CLUSTER: gl.constexpr):
     """Warpgroup 1: the second half of O from warpgroup 0's P and rescale factors; releases each
     P buffer and K stage after its multiply."""
     n = _n_total(t, split, num_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
@@ -1335,11 +1281,7 @@ def _wg1(q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, f
             _cl_op(_CL_WAIT, 8 * st, (i // 2) & 1)
         mbarrier.wait(p_ready.index(st), (i // 2) & 1)
         alpha = a_bufs.index(st).load(ROW_O)
-        if LAZY:
-            if gl.min(alpha, axis=0) < 1.0:  # warpgroup 0 moved some row's offset
-                o = o * gl.expand_dims(alpha, 1)
-        else:
-            o = o * gl.expand_dims(alpha, 1)
+        o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_bufs.index(st), k_bufs.index(st).slice(HALF_V, HALF_V, dim=1), o)
         _cta_barrier()
         mbarrier.arrive(p_free.index(st))
@@ -1375,13 +1317,11 @@ def _sparse_mla_attn_sm90_ws_kernel(
     A_LEN: gl.constexpr, B_LEN: gl.constexpr, WRITE_MAX: gl.constexpr = False, PREFETCH: gl.constexpr = True,
     PAGES_BF16: gl.constexpr = False, PIPE: gl.constexpr = False, DQ_BITS: gl.constexpr = True,
     CLUSTER: gl.constexpr = False, K_OFF: gl.constexpr = 0, MERGE: gl.constexpr = False, DUAL: gl.constexpr = False,
-    LAZY: gl.constexpr = False,
 ):
     """Grid ``(num_tokens * cdiv(num_heads, 64), num_splits)``, head tiles fastest, as the
     single-partition kernel; fp8 pages of the 448 + 64 layout, or with PAGES_BF16 bf16 pages,
     in both sets; launched with ``NUM_WARPS`` (4) warps, warpgroup 1 and the producer on top.
-    ``PREFETCH``: the producer's L2 prefetch (a tuning switch, on in production). ``LAZY``: lazy
-    rescaling (:func:`_softmax_step_lazy`; the launcher sets it only for ``qk_scale > 0``)."""
+    ``PREFETCH``: the producer's L2 prefetch (a tuning switch, on in production)."""
     tiles = gl.cdiv(num_heads, BLOCK_H)
     t = gl.program_id(0) // tiles
     pid_h = gl.program_id(0) % tiles
@@ -1418,14 +1358,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL,
-                    LAZY)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, DUAL)),
             (_wg1_dual, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t,
                          split, num_splits, num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base,
                          total_splits, a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr,
                          a_start_ptr, b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr,
-                         b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER,
-                         LAZY)),
+                         b_start_ptr, A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,
@@ -1453,13 +1391,12 @@ def _sparse_mla_attn_sm90_ws_kernel(
                     part_lse_ptr, sink_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False,
-                    LAZY)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, HAS_SINK, WRITE_PARTIAL, OUT_BF16, WRITE_MAX, CLUSTER, False)),
             (_wg1, (q_smem, k_bufs, p_bufs, a_bufs, f_smem, empty, full, p_ready, p_free, fin, t64, pid_h, t, split, num_splits,
                     num_heads, out_ptr, stride_o_t, stride_o_h, part_o_ptr, split_base, total_splits,
                     a_block_size, a_width, a_len_ptr, a_max_blocks, a_num_reqs, a_req_ptr, a_start_ptr,
                     b_block_size, b_width, b_len_ptr, b_max_blocks, b_num_reqs, b_req_ptr, b_start_ptr,
-                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER, LAZY)),
+                    A_RANGE, A_LEN, HAS_B, B_RANGE, B_LEN, WRITE_PARTIAL, OUT_BF16, CLUSTER)),
             (_producer, (k_bufs, valid_bufs, empty, full, t, pid_h, split, num_splits,
                          a_cache_ptr, a_stride_blk, a_stride_entry, a_block_size, a_capacity,
                          a_idx_ptr, a_stride_idx, a_width, a_len_ptr, a_bt_ptr, a_stride_bt, a_max_blocks, a_num_reqs,

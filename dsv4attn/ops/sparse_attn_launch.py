@@ -51,11 +51,7 @@ class KernelConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    #: Online-softmax rescaling only when a row max grows by > 2^8: in the portable kernel never
-    #: with max logits; in the sm90 warp-specialised kernel (the only sm90 kernel that has it:
-    #: with the single-partition or the q-in-registers one picked, the portable kernel runs) each
-    #: row's offset moves on its own, O is rescaled only in chunks that move one, max logits
-    #: included (for a positive scale; otherwise it runs without).
+    #: Online-softmax rescaling only when a row max grows by > 2^8 (never with max logits).
     lazy_rescale: bool = False
     #: Programs the 512-wide d_v is split across (1, or 2: dims [0, 256) and [256, 512) in two
     #: launches that each compute the full QK but keep half the accumulators).
@@ -430,7 +426,8 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, lse.stride(0), mx, mx.stride(0),
             part_o, part_lse, sink, *a_args, *b_args, num_heads, qk_scale, split_base, total, cfg.num_splits)
     if uses_sm90(cfg, sets, geo_key[1]) and not _sm90_failures:
-        ws, qreg = _sm90_ws_qreg(cfg, a.is_fp8)
+        ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if a.is_fp8 else cfg.sm90_ws_bf16)
+        qreg = ws and not a.is_fp8 and cfg.sm90_bf16_qreg
         kernel, warps = _sm90_kernel(ws, qreg)
         dual = ws and a.is_fp8 and cfg.sm90_dual_producer
         extra: dict[str, bool | int]  # each kernel's own constexprs
@@ -440,8 +437,7 @@ def _launch_decode(q, sets, out, lse, max_logits, part_o, part_lse, sink, has_si
             pipe = a.is_fp8 and not dual and _pipe_worth_it(sets, cfg)
             extra = dict(PAGES_BF16=not a.is_fp8, PREFETCH=cfg.sm90_l2_prefetch, PIPE=pipe,
                          DQ_BITS=cfg.sm90_dequant_bits,
-                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual,
-                         LAZY=cfg.lazy_rescale and qk_scale > 0)
+                         MERGE=pipe and cfg.sm90_merge_sets and a.is_range == b.is_range, DUAL=dual)
         else:
             extra = dict(PAGES_BF16=not a.is_fp8, SKIP=cfg.sm90_skip)
         consts = dict(A_RANGE=a.is_range, HAS_B=len(sets) > 1, B_RANGE=b.is_range, HAS_SINK=has_sink,
@@ -587,13 +583,6 @@ def _pipe_worth_it(sets: Sequence[CandidateSet], cfg: KernelConfig) -> bool:
     return chunks >= cfg.sm90_pipe_min_chunks * cfg.num_splits
 
 
-def _sm90_ws_qreg(cfg: KernelConfig, fp8: bool) -> tuple[bool, bool]:
-    """Which sm90 kernel ``cfg`` picks for fp8 or bf16 pages: the warp-specialised one, and of bf16
-    pages the q-in-registers one (neither: the single-partition kernel)."""
-    ws = cfg.sm90_skip == 0 and (cfg.sm90_ws if fp8 else cfg.sm90_ws_bf16)
-    return ws, ws and not fp8 and cfg.sm90_bf16_qreg
-
-
 def _sm90_kernel(ws: bool, qreg: bool = False):
     """The Gluon sm90 kernel (``ws``: the warp-specialised one; ``qreg``: the q-in-registers one
     of bf16 pages) and the warp count it is launched with (imported on first use)."""
@@ -618,15 +607,12 @@ def _is_build_failure(e: Exception) -> bool:
 
 def uses_sm90(cfg: KernelConfig, sets: Sequence[CandidateSet], layout: FP8DSMLALayout | None) -> bool:
     """Whether a per-token launch runs the Gluon sm90 kernel: the config allows it (Hopper,
-    64-head tiles, head dim 512, no d_v split / prefetch, lazy rescaling only in the warp-specialised
-    kernel) and the pages are all
+    64-head tiles, head dim 512, no d_v split / prefetch / lazy variant) and the pages are all
     fp8 of the production layout (448 NoPE + 64 RoPE dims,
     64-dim tiles, 576 data and 8 scale bytes per entry) or all bf16 (512 contiguous values per
     entry), with 16-byte aligned rows (its gathers are 16-byte cp.async copies). Everything
     else runs the portable kernel."""
-    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch):
-        return False
-    if cfg.lazy_rescale and not (sets and _sm90_ws_qreg(cfg, sets[0].is_fp8) == (True, False)):
+    if not (cfg.sm90 and cfg.v_split == 1 and not cfg.prefetch and not cfg.lazy_rescale):
         return False
     if all(s.is_fp8 for s in sets):
         return (layout is not None and layout.nope_dim == 448 and layout.rope_dim == 64 and layout.tile == 64
