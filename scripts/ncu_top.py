@@ -17,6 +17,10 @@ import re
 import sys
 
 
+#: One instruction line of ``nvdisasm -c`` output: offset, predicate, opcode, the rest.
+SASS_INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)")
+
+
 def _rows(path: str) -> tuple[list[str], list[list[str]]]:
     """Header and data rows (newer ncu releases put a "Kernel Name" line above the header)."""
     with open(path, newline="") as f:
@@ -35,7 +39,7 @@ def _line_map(sass_path: str) -> tuple[dict[int, tuple[str, int]], dict[int, str
         if m:
             cur = (m.group(1).split("/")[-1], int(m.group(2)))
             continue
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        m = SASS_INSTR.match(ln)
         if m:
             off = int(m.group(1), 16)
             where[off] = cur

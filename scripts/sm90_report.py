@@ -63,9 +63,11 @@ def compile_report(fn, constexprs: dict, num_warps: int, num_stages: int, q_dtyp
 
 
 def ptxas_usage(ptx: str, name: str) -> tuple[int, int]:
-    """Registers and spill bytes (stores) that Triton 3.9's bundled CUDA 13 ptxas reports for sm_90a."""
-    # CUDA 13 ptxas: Triton 3.9 emits PTX 9.x
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+    """Registers and spill bytes (stores) that the installed Triton's bundled ptxas reports for
+    sm_90a: Triton 3.9's CUDA 13 ``ptxas-blackwell`` (it emits PTX 9.x), or ``ptxas`` where the
+    bundle has no other (Triton 3.6, the GPU machine's)."""
+    bundle = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = bundle / "ptxas-blackwell" if (bundle / "ptxas-blackwell").exists() else bundle / "ptxas"
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "k.ptx"
         f.write_text(ptx)

@@ -28,7 +28,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-_INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)(.*)")
+from scripts.ncu_top import SASS_INSTR
+
 _LABEL = re.compile(r"\s*\.?(L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`?\(\.?(L_x_\d+)\)")
 
@@ -51,9 +52,9 @@ def parse(sass: str) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
         if m:
             labels[m.group(1)] = len(ins)
             continue
-        m = _INSTR.match(line)
+        m = SASS_INSTR.match(line)
         if m:
-            ins.append((int(m.group(1), 16), m.group(3), (m.group(2) or "") + m.group(3) + m.group(4) + m.group(5)))
+            ins.append((int(m.group(1), 16), m.group(3), (m.group(2) or "") + m.group(3) + m.group(4)))
     return ins, labels
 
 
@@ -107,9 +108,8 @@ def _bin(tool: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
 
 
-def compile_variant(changes: dict, decode: bool, workdir: str) -> tuple[str, str]:
-    """Compile the ws kernel's prefill or decode form with ``changes`` for sm_90a; the paths of
-    its PTX and cubin."""
+def compile_variant(changes: dict, decode: bool):
+    """The ws kernel's prefill or decode form with ``changes``, compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -126,24 +126,8 @@ def compile_variant(changes: dict, decode: bool, workdir: str) -> tuple[str, str
         ones = ("a_block_size",)
     const.update(changes)
     kernel = ws._sparse_mla_attn_sm90_ws_kernel
-    ck = triton.compile(sm90_source(kernel, const, const["PAGES_BF16"], ones), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=ws.NUM_WARPS, num_stages=1))
-    ptx, cubin = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.cubin")
-    with open(ptx, "w") as f:
-        f.write(ck.asm["ptx"])
-    with open(cubin, "wb") as f:
-        f.write(ck.asm["cubin"])
-    return ptx, cubin
-
-
-def ptxas_report(ptx: str, workdir: str) -> str:
-    """``ptxas -v`` of ``ptx`` for sm_90a: its spill and register lines (Triton's bundled ptxas)."""
-    for tool in ("ptxas", "ptxas-blackwell"):
-        res = subprocess.run([_bin(tool), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(workdir, "v.cubin")],
-                             capture_output=True, text=True)
-        if res.returncode == 0:
-            return "\n".join(ln.strip() for ln in res.stderr.splitlines() if "spill" in ln or "registers" in ln)
-    return "ptxas failed: " + res.stderr[-500:]
+    return triton.compile(sm90_source(kernel, const, const["PAGES_BF16"], ones), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=ws.NUM_WARPS, num_stages=1))
 
 
 def report(sass: str) -> list[str]:
@@ -175,9 +159,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = a.cubin
         if not cubin:
+            from scripts.sm90_report import ptxas_usage
+
             changes = {k.strip(): _value(v.strip()) for k, _, v in (x.partition("=") for x in a.set.split(",") if x)}
-            ptx, cubin = compile_variant(changes, a.decode, tmp)
-            print(ptxas_report(ptx, tmp))
+            ck = compile_variant(changes, a.decode)
+            regs, spills = ptxas_usage(ck.asm["ptx"], ck.metadata.name)
+            print(f"ptxas: {regs} registers, {spills} bytes of spill stores per thread")
+            cubin = os.path.join(tmp, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(ck.asm["cubin"])
         sass = subprocess.run([_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     print("\n".join(report(sass)))
 
